@@ -1,0 +1,178 @@
+"""Torch reference ops: the CPU path of the engine and the oracle the Triton kernels are tested against.
+
+Cache layout (one tensor per layer, shared by every op, the transfer path and the kernels):
+
+    kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_dim]   (index 1: 0 = K, 1 = V)
+    kv_scale: [num_blocks, 2, block_size, num_kv_heads] float32     (only for quantized caches)
+
+A block's K and V are one contiguous chunk, so moving a block is one copy. A cache whose dtype is
+`torch.int8` or `torch.float8_e4m3fn` is quantized with one scale per token and KV head:
+`x ≈ q.float() * scale`; every other dtype stores values as they are and takes `kv_scale=None`.
+
+Slot numbers address one token row: `slot = block_id * block_size + offset`; slot -1 means "skip".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def is_quantized(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype in QUANT_MAX
+
+
+def quantize_rows(x: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] -> (quantized [..., D] in cache_dtype, scale [...] float32), absmax per row."""
+    qmax = QUANT_MAX[cache_dtype]
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp(min=1e-8) / qmax
+    q = xf / scale.unsqueeze(-1)
+    if cache_dtype == torch.int8:
+        q = q.round().clamp(-qmax, qmax)
+    return q.to(cache_dtype), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
+        return q.to(out_dtype)
+    return (q.float() * scale.unsqueeze(-1)).to(out_dtype)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+) -> None:
+    """Write K/V rows [T, Hkv, D] into the cache at `slot_mapping` [T] (-1 rows are skipped)."""
+    block_size = kv_cache.shape[2]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    blocks = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    if is_quantized(kv_cache):
+        qk, sk = quantize_rows(key, kv_cache.dtype)
+        qv, sv = quantize_rows(value, kv_cache.dtype)
+        kv_cache[blocks, 0, offsets] = qk
+        kv_cache[blocks, 1, offsets] = qv
+        kv_scale[blocks, 0, offsets] = sk
+        kv_scale[blocks, 1, offsets] = sv
+    else:
+        kv_cache[blocks, 0, offsets] = key.to(kv_cache.dtype)
+        kv_cache[blocks, 1, offsets] = value.to(kv_cache.dtype)
+
+
+def _gather_tokens(
+    kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, block_ids: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [..., n] -> K, V as [..., n * block_size, Hkv, D] in out_dtype (dequantized)."""
+    blocks = kv_cache[block_ids]  # [..., n, 2, bs, H, D]
+    scales = kv_scale[block_ids] if kv_scale is not None else None
+    lead = block_ids.shape
+    bs, h, d = blocks.shape[-3:]
+    k = dequantize_rows(blocks[..., 0, :, :, :], None if scales is None else scales[..., 0, :, :], out_dtype)
+    v = dequantize_rows(blocks[..., 1, :, :, :], None if scales is None else scales[..., 1, :, :], out_dtype)
+    shape = (*lead[:-1], lead[-1] * bs, h, d)
+    return k.reshape(shape), v.reshape(shape)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kv_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention for the last Q tokens of B sequences whose K/V are already in the cache.
+
+    query [B, Q, H, D] (Q = 1 for decode, k+1 for speculative verification); block_tables [B, M]
+    int32 (entries past a sequence's blocks are ignored); seq_lens [B] tokens per sequence, the Q
+    query tokens included. Query q of sequence b sits at position seq_lens[b] - Q + q and sees
+    every key up to and including itself. Returns [B, Q, H, D] in query's dtype.
+    """
+    b, q_len, h, d = query.shape
+    max_blocks = int((int(seq_lens.max()) + kv_cache.shape[2] - 1) // kv_cache.shape[2])
+    k, v = _gather_tokens(kv_cache, kv_scale, block_tables[:, :max_blocks].long(), query.dtype)
+    n_keys = k.shape[1]
+    key_pos = torch.arange(n_keys, device=query.device)
+    query_pos = seq_lens.view(b, 1).long() - q_len + torch.arange(q_len, device=query.device).view(1, q_len)
+    mask = key_pos.view(1, 1, n_keys) <= query_pos.view(b, q_len, 1)  # [B, Q, K]
+    out = F.scaled_dot_product_attention(
+        query.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask.unsqueeze(1),
+        scale=scale,
+        enable_gqa=h != k.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kv_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention for a chunk of new tokens per sequence over its cached prefix plus itself.
+
+    query [T, H, D], key/value [T, Hkv, D]: the new tokens of all sequences, packed; sequence i owns
+    rows query_start_loc[i]:query_start_loc[i+1] (query_start_loc [B+1] int32). Its first
+    seq_lens[i] - q_len_i tokens are read from the paged cache (prefix hits, earlier chunks); its new
+    tokens attend to that prefix and causally to each other. Returns [T, H, D] in query's dtype.
+    """
+    out = torch.empty_like(query)
+    h = query.shape[1]
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    bs = kv_cache.shape[2]
+    for i in range(len(lens)):
+        s, e = starts[i], starts[i + 1]
+        q_len = e - s
+        if q_len == 0:
+            continue
+        prefix = lens[i] - q_len
+        k, v = key[s:e], value[s:e]
+        if prefix > 0:
+            n_blocks = (prefix + bs - 1) // bs
+            pk, pv = _gather_tokens(kv_cache, kv_scale, block_tables[i, :n_blocks].long(), query.dtype)
+            k = torch.cat([pk[:prefix], k.to(query.dtype)])
+            v = torch.cat([pv[:prefix], v.to(query.dtype)])
+            mask = torch.ones(q_len, prefix + q_len, dtype=torch.bool, device=query.device).tril(prefix)
+            kwargs = {"attn_mask": mask}
+        else:
+            kwargs = {"is_causal": True}
+        o = F.scaled_dot_product_attention(
+            query[s:e].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            scale=scale, enable_gqa=h != k.shape[1], **kwargs,
+        )
+        out[s:e] = o.transpose(0, 1)
+    return out
+
+
+def gather_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Pack blocks `block_ids` [n] of one layer into a contiguous [n, 2, bs, Hkv, D] buffer (for sending).
+
+    The same op packs a quantized cache's scale tensor (any trailing shape works)."""
+    if out is None:
+        return kv_cache[block_ids.long()].contiguous()
+    torch.index_select(kv_cache, 0, block_ids.long(), out=out)
+    return out
+
+
+def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+    """Unpack a received [n, 2, bs, Hkv, D] buffer into blocks `block_ids` [n] of one layer."""
+    kv_cache[block_ids.long()] = blocks.to(kv_cache.dtype)
