@@ -1,0 +1,1 @@
+"""Pluggable strategies (eviction, KV quantization, speculation, connectors, routing) and their registry."""
