@@ -1,0 +1,1 @@
+"""The engine every role runs: request, scheduler, KV cache manager, model runner, sampler."""

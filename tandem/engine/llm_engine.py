@@ -1,0 +1,178 @@
+"""LLMEngine: the loop every role runs — add requests, `step()` (schedule → run → update), stream
+RequestOutputs with incremental text, stop strings, aborts.
+
+1. `add_request` validates (prompt length, parameters) and queues; bad input raises ValueError and
+   leaves the engine untouched.
+2. `step` schedules one batch, runs it, advances every request by the computed-tokens rule, and
+   detokenizes what was sampled; a stop string ends its request in the same step.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from plugins.registry import resolve_eviction
+from tandem.config import EngineConfig
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.request import Request
+from tandem.engine.scheduler import Scheduler
+from tandem.models.config import ModelConfig
+from tandem.outputs import CompletionOutput, RequestOutput
+from tandem.sampling_params import SamplingParams
+from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
+
+_MAX_MODEL_LEN_DEFAULT_CAP = 8192
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_cfg = ModelConfig.from_dir(config.model)
+        self.model_config = model_cfg
+        self.tokenizer = Tokenizer(config.model)
+        self.max_model_len = self._resolve_max_model_len(model_cfg)
+        self.runner = ModelRunner(config.model, config.torch_dtype, config.torch_device, self.max_model_len,
+                                  config.block_size, config.seed)
+        num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // self.runner.bytes_per_block())
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one "
+                             f"max_model_len={self.max_model_len} sequence; raise kv_cache_memory_gb / "
+                             f"num_kv_blocks or lower max_model_len")
+        self.runner.allocate_kv_cache(num_blocks)
+        self.num_kv_blocks = num_blocks
+        self.kv = KVCacheManager(num_blocks, config.block_size, resolve_eviction(config.eviction, num_blocks),
+                                 config.enable_prefix_caching)
+        batched = config.max_num_batched_tokens
+        if not config.enable_chunked_prefill:
+            batched = max(batched, self.max_model_len)  # an unchunked prompt must fit one step
+        self.scheduler = Scheduler(self.kv, batched, config.max_num_seqs, config.enable_chunked_prefill)
+        self.eos_token_ids = set(model_cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._text: dict[str, str] = {}
+        self._ids = itertools.count()
+
+    def _resolve_max_model_len(self, cfg: ModelConfig) -> int:
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window:
+            limit = min(limit, cfg.sliding_window)  # beyond the window our full attention would differ
+        if self.config.max_model_len is None:
+            return min(limit, _MAX_MODEL_LEN_DEFAULT_CAP)
+        if self.config.max_model_len > limit:
+            why = "sliding_window" if cfg.sliding_window and limit == cfg.sliding_window else "max_position_embeddings"
+            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's {why} ({limit}); "
+                             "sliding-window attention is not implemented")
+        return self.config.max_model_len
+
+    # ---- requests ----------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
+        else:
+            raise TypeError("a prompt must be a string or a list of token ids")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return ids
+
+    def make_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Validate and build a Request without queueing it (the decode service queues it itself)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError("params must be a SamplingParams")
+        params.validate()
+        ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model accepts at most "
+                             f"{self.max_model_len - 1} (max_model_len={self.max_model_len}, one token is left to generate)")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.scheduler.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        return Request(rid, ids, params, self.eos_token_ids, max_tokens)
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams) -> str:
+        req = self.make_request(request_id, prompt, params)
+        self.track(req)
+        self.scheduler.add(req)
+        return req.request_id
+
+    def track(self, req: Request) -> None:
+        self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+        self._text[req.request_id] = ""
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort(request_id)
+        return self._output(req, []) if req is not None else None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the loop --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        result = self.runner.execute(out)
+        before = {s.request.request_id: s.request.num_tokens for s in out.scheduled}
+        changed = self.scheduler.update(out, result.sampled)
+        outputs = []
+        for req in changed:
+            new_ids = req.token_ids[before[req.request_id]:]
+            if req.logprobs is not None:
+                self._record_logprobs(req, result.logits[req.request_id], new_ids)
+            outputs.append(self._output(req, new_ids))
+        return outputs
+
+    def _record_logprobs(self, req: Request, logits: torch.Tensor, new_ids: list[int]) -> None:
+        from tandem.engine.sampler import top_logprobs
+
+        for row, tok in zip(logits[-len(new_ids):], new_ids):
+            req.logprobs.append(top_logprobs(row, [tok], req.params.logprobs))
+
+    def emit(self, req: Request, new_ids: list[int]) -> RequestOutput:
+        """Output for tokens appended outside `step` (e.g. a decode worker's remote first token)."""
+        return self._output(req, new_ids)
+
+    def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
+        rid = req.request_id
+        detok = self._detok.get(rid)
+        delta = ""
+        if detok is not None:
+            text_ids = [t for t in new_ids if not (req.finished and t == req.stop_reason)]
+            delta = detok.add(text_ids, final=req.finished)
+            delta = self._apply_stop_strings(req, delta)
+        text = self._text.get(rid, "")
+        if req.finished:
+            self._detok.pop(rid, None)
+            self._text.pop(rid, None)
+        completion = CompletionOutput(text, req.output_token_ids, req.finish_reason, req.stop_reason,
+                                      req.logprobs)
+        return RequestOutput(rid, req.prompt_token_ids, [completion], req.finished,
+                             max(req.num_cached_tokens, 0), delta, new_ids)
+
+    def _apply_stop_strings(self, req: Request, delta: str) -> str:
+        rid = req.request_id
+        before = self._text.get(rid, "")
+        text = before + delta
+        stops = req.params.stop
+        if stops and not req.finished:
+            lookback = max(len(before) - max(len(s) for s in stops) + 1, 0)
+            hits = [(text.find(s, lookback), s) for s in stops if text.find(s, lookback) >= 0]
+            if hits:
+                pos, s = min(hits)
+                text = text[:pos]
+                req.stop_reason = s
+                self.scheduler.finish(req, "stop")
+        self._text[rid] = text
+        return text[len(before):]
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants(self.scheduler.live_requests())

@@ -1,0 +1,152 @@
+"""ModelRunner: owns the model weights and the paged KV cache tensors; turns a SchedulerOutput into
+one forward pass (positions, slot mapping, block tables) and samples the rows that caught up.
+
+Row order is [decode group | prefill group] (see tandem/layers/attention.py); sampled tokens are
+returned per request id, so the order never leaks out.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kernels import get_ops
+from tandem.engine import sampler
+from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tandem.layers.attention import AttentionMetadata
+from tandem.models.loader import load_model
+
+MAX_DECODE_QUERY_LEN = 16  # larger uniform query lengths go through the varlen prefill path
+
+
+@dataclass(slots=True)
+class StepResult:
+    sampled: dict[str, list[int]]
+    logits: dict[str, torch.Tensor]  # the rows sampled from, per request (kept for logprobs/speculation)
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, dtype: torch.dtype, device: torch.device, max_model_len: int,
+                 block_size: int, seed: int = 0) -> None:
+        self.device, self.dtype, self.block_size = device, dtype, block_size
+        self.model = load_model(model_path, dtype, device, max_model_len + MAX_DECODE_QUERY_LEN)
+        self.config = self.model.config
+        self.ops = get_ops(device)
+        self.kv_caches: list[torch.Tensor] = []
+        self.kv_scales: list[torch.Tensor] | None = None
+        self.generator = torch.Generator().manual_seed(seed)
+        self.layer_hook: Callable[[int], None] | None = None
+
+    # ---- cache -------------------------------------------------------------------------------
+    def bytes_per_block(self, cache_dtype: torch.dtype | None = None) -> int:
+        c = self.config
+        elem = torch.empty(0, dtype=cache_dtype or self.dtype).element_size()
+        return c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim * elem
+
+    def allocate_kv_cache(self, num_blocks: int, allocator: Callable[..., torch.Tensor] | None = None) -> None:
+        """One [num_blocks, 2, block_size, kv_heads, head_dim] tensor per layer. `allocator(shape, dtype)`
+        lets a KV connector place the cache (e.g. in shared memory)."""
+        c = self.config
+        shape = (num_blocks, 2, self.block_size, c.num_kv_heads, c.head_dim)
+        alloc = allocator or (lambda s, d: torch.zeros(s, dtype=d, device=self.device))
+        self.kv_caches = [alloc(shape, self.dtype) for _ in range(c.num_layers)]
+
+    # ---- one step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        decode_q, decode = _decode_group(out.scheduled)
+        in_decode = {id(s) for s in decode}
+        prefill = [s for s in out.scheduled if id(s) not in in_decode]
+        input_ids, positions, slots, sample_rows = [], [], [], []
+        bs = self.block_size
+        for s in decode + prefill:
+            r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            toks = r.token_ids[start:start + n]
+            if len(toks) < n:  # speculated tokens are not part of token_ids until accepted
+                toks = toks + s.spec_token_ids[: n - len(toks)]
+            input_ids.extend(toks)
+            pos = range(start, start + n)
+            positions.extend(pos)
+            bt = r.block_ids
+            slots.extend(bt[p // bs] * bs + p % bs for p in pos)
+            if s.samples:
+                k = 1 + len(s.spec_token_ids)
+                sample_rows.append((s, len(input_ids) - k, k))
+        dev = self.device
+        meta = AttentionMetadata(
+            ops=self.ops, kv_caches=self.kv_caches, kv_scales=self.kv_scales,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode_seqs=len(decode), decode_query_len=decode_q,
+            decode_block_tables=self._block_table(decode) if decode else None,
+            decode_seq_lens=self._seq_lens(decode) if decode else None,
+            prefill_block_tables=self._block_table(prefill) if prefill else None,
+            prefill_query_start_loc=self._start_loc(prefill) if prefill else None,
+            prefill_seq_lens=self._seq_lens(prefill) if prefill else None,
+            layer_hook=self.layer_hook,
+        )
+        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
+        if not sample_rows:
+            return StepResult({}, {})
+        idx = torch.tensor([i for _, start, k in sample_rows for i in range(start, start + k)], device=dev)
+        logits = self.model.compute_logits(hidden[idx])
+        return self._sample(sample_rows, logits)
+
+    def _sample(self, sample_rows: list[tuple[ScheduledRequest, int, int]], logits: torch.Tensor) -> StepResult:
+        """logits holds k rows per request (k = 1 + speculated tokens); the last row of each is sampled."""
+        per_req, last_rows, offset = {}, [], 0
+        for s, _, k in sample_rows:
+            per_req[s.request.request_id] = logits[offset:offset + k]
+            last_rows.append(offset + k - 1)
+            offset += k
+        reqs = [s.request for s, _, _ in sample_rows]
+        tokens = sampler.sample(logits[last_rows], [r.params for r in reqs], [r.generator for r in reqs],
+                                self.generator)
+        return StepResult({r.request_id: [t] for r, t in zip(reqs, tokens)}, per_req)
+
+    def _block_table(self, group: list[ScheduledRequest]) -> torch.Tensor:
+        width = max(len(s.request.block_ids) for s in group)
+        table = [s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in group]
+        return torch.tensor(table, dtype=torch.int32, device=self.device)
+
+    def _seq_lens(self, group: list[ScheduledRequest]) -> torch.Tensor:
+        lens = [s.request.num_computed_tokens + s.num_new_tokens for s in group]
+        return torch.tensor(lens, dtype=torch.int32, device=self.device)
+
+    def _start_loc(self, group: list[ScheduledRequest]) -> torch.Tensor:
+        loc = [0]
+        for s in group:
+            loc.append(loc[-1] + s.num_new_tokens)
+        return torch.tensor(loc, dtype=torch.int32, device=self.device)
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Log-prob of each token after the first given its prefix, in one cache-free pass."""
+        n = len(token_ids)
+        meta = AttentionMetadata(
+            ops=self.ops, kv_caches=self.kv_caches, kv_scales=self.kv_scales,
+            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
+            num_decode_seqs=0, decode_query_len=0, decode_block_tables=None, decode_seq_lens=None,
+            prefill_block_tables=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
+            prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            prefill_seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+        )
+        ids = torch.tensor(token_ids, device=self.device)
+        hidden = self.model(ids, torch.arange(n, device=self.device), meta)
+        logp = torch.log_softmax(self.model.compute_logits(hidden[:-1]), dim=-1)
+        return logp.gather(1, ids[1:, None]).squeeze(1).tolist()
+
+
+def _decode_group(scheduled: list[ScheduledRequest]) -> tuple[int, list[ScheduledRequest]]:
+    """Requests past their prompt that share the most common small query length attend from the
+    cache in one padded batch; everything else takes the varlen prefill path."""
+    def eligible(s: ScheduledRequest) -> bool:
+        return s.request.num_computed_tokens > 0 and s.num_new_tokens <= MAX_DECODE_QUERY_LEN and s.samples
+
+    lens = Counter(s.num_new_tokens for s in scheduled if eligible(s))
+    if not lens:
+        return 0, []
+    q = lens.most_common(1)[0][0]
+    return q, [s for s in scheduled if eligible(s) and s.num_new_tokens == q]

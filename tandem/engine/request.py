@@ -1,0 +1,84 @@
+"""Request: one sequence's state as the engine sees it.
+
+The whole lifecycle is one rule: `num_computed_tokens` catches up to `num_tokens` (+ speculated
+tokens). A prompt's prefill, a prefix-cache hit (computed starts > 0), a chunk, a decode step
+(one token behind), recomputation after preemption (computed reset to 0) and a decode worker's
+remote KV (computed jumps to the prompt length when the KV arrives) are all that rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from tandem.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "eos_token_ids", "max_tokens",
+                 "arrival_time", "status", "num_computed_tokens", "block_ids", "block_hashes",
+                 "num_cached_tokens", "generator", "spec_token_ids", "finish_reason", "stop_reason",
+                 "logprobs", "num_preemptions", "priority", "num_registered_blocks")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: set[int], max_tokens: int, priority: int = 0) -> None:
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)  # prompt + output, appended in place
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.max_tokens = max_tokens  # params.max_tokens clipped to the room left in max_model_len
+        self.priority = priority
+        self.arrival_time = time.monotonic()
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # chain hashes of the full blocks of token_ids
+        self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1 = not yet scheduled
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.spec_token_ids: list[int] = []  # proposals to verify in the next step
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> bool:
+        """Add a sampled token; returns True when it ends the request (and sets the finish reason)."""
+        self.token_ids.append(token_id)
+        if not self.params.ignore_eos and token_id in self.eos_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token_id
+        elif token_id in self.params.stop_token_ids:
+            self.finish_reason, self.stop_reason = "stop", token_id
+        elif self.num_output_tokens >= self.max_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None

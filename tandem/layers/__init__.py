@@ -1,0 +1,1 @@
+"""Model building blocks: attention (paged, via kernels/), RMSNorm, rotary embeddings."""

@@ -1,0 +1,90 @@
+"""Paged attention layer: project, rotate, store K/V into the paged cache, attend through kernels/.
+
+A step's tokens are packed as [decode group | prefill group]. The decode group is the first
+`num_decode_seqs` sequences, each with exactly `decode_query_len` new tokens (1, or k+1 when verifying
+speculated tokens); they attend purely from the cache. Everything after is variable-length prefill
+(new prompts, chunks, recomputation) over cached prefix + itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from kernels import KernelOps
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RotaryEmbedding
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    ops: KernelOps
+    kv_caches: list[torch.Tensor]
+    kv_scales: list[torch.Tensor] | None
+    slot_mapping: torch.Tensor  # [T]
+    num_decode_seqs: int
+    decode_query_len: int
+    decode_block_tables: torch.Tensor | None  # [Bd, M]
+    decode_seq_lens: torch.Tensor | None  # [Bd]
+    prefill_block_tables: torch.Tensor | None  # [Bp, M]
+    prefill_query_start_loc: torch.Tensor | None  # [Bp + 1], relative to the prefill group
+    prefill_seq_lens: torch.Tensor | None  # [Bp]
+    layer_hook: Callable[[int], None] | None = None  # called after a layer's K/V is in the cache
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decode_seqs * self.decode_query_len
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        # One fused projection: three small matmuls cost more than one on CPU.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        ops = meta.ops
+        cache = meta.kv_caches[self.layer_idx]
+        scales = meta.kv_scales[self.layer_idx] if meta.kv_scales is not None else None
+        ops.store_kv(k, v, cache, meta.slot_mapping, scales)
+        if meta.layer_hook is not None:
+            meta.layer_hook(self.layer_idx)
+        nd = meta.num_decode_tokens
+        if nd == t:
+            out = self._decode(q, ops, cache, scales, meta)
+        elif nd == 0:
+            out = ops.prefill_attention(q, k, v, cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
+                                        meta.prefill_seq_lens, self.scale, scales)
+        else:
+            out = torch.cat([
+                self._decode(q[:nd], ops, cache, scales, meta),
+                ops.prefill_attention(q[nd:], k[nd:], v[nd:], cache, meta.prefill_block_tables,
+                                      meta.prefill_query_start_loc, meta.prefill_seq_lens, self.scale, scales),
+            ])
+        return self.o_proj(out.reshape(t, self.q_size))
+
+    def _decode(self, q, ops, cache, scales, meta: AttentionMetadata) -> torch.Tensor:
+        b, ql = meta.num_decode_seqs, meta.decode_query_len
+        out = ops.paged_decode_attention(q.reshape(b, ql, self.num_heads, self.head_dim), cache,
+                                         meta.decode_block_tables, meta.decode_seq_lens, self.scale, scales)
+        return out.reshape(b * ql, self.num_heads, self.head_dim)

@@ -1,0 +1,78 @@
+"""Offline API in the vLLM style: `LLM(model=PATH).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+from tandem.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """One in-process engine (role `both`). `model=None` uses the built-in default model."""
+
+    def __init__(self, model: str | None = None, **engine_options) -> None:
+        if model is None:
+            from tandem.default_model import default_model_path
+
+            model = default_model_path()
+        unknown = set(engine_options) - set(EngineConfig.option_names())
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {sorted(unknown)}; known: {EngineConfig.option_names()}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run all prompts to completion in one continuous batch; outputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params_list = self._params_for(len(prompts), params)
+        # Validate everything first: one bad prompt must not leave the others half-queued.
+        reqs = [self.engine.make_request(None, p, sp) for p, sp in zip(prompts, params_list)]
+        for r in reqs:
+            self.engine.track(r)
+            self.engine.scheduler.add(r)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(reqs):
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r.request_id] for r in reqs]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield a RequestOutput per step for one prompt (text_delta holds the new text)."""
+        rid = self.engine.add_request(None, prompt, params or SamplingParams())
+        while True:
+            for out in self.engine.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        return self.generate([self.tokenizer.encode_chat(m) for m in conversations], params)
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Log-prob of each token after the first, given its prefix (for perplexity)."""
+        ids = self.engine.tokenize(token_ids)
+        if len(ids) > self.engine.max_model_len:
+            raise ValueError(f"{len(ids)} tokens exceed max_model_len={self.engine.max_model_len}")
+        return self.engine.runner.score(ids)
+
+    @staticmethod
+    def _params_for(n: int, params) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        return params

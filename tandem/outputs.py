@@ -1,0 +1,43 @@
+"""Outputs the engine hands back: one RequestOutput per request per step (streaming) or at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """The generated continuation of one request so far."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob}
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What `LLM.generate` returns and `LLMEngine.step` streams. `text_delta`/`new_token_ids` hold
+    only what this step added, for streaming."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    text_delta: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+
+    # vLLM-style shortcuts for the single-completion case.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

@@ -1,0 +1,87 @@
+"""SamplingParams: what a request asks for, validated once when it enters the system."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Sampling and stopping options of one request (vLLM's names and meanings).
+
+    temperature 0 means greedy. `stop` strings end generation and are cut from the output text;
+    `stop_token_ids` end it and are kept in `token_ids` (their text is not emitted).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token (plus the chosen token's)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        _check_int("top_k", self.top_k, minimum=-1)
+        _check_number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=0)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids[]", t, minimum=0)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, minimum=0)
+            if self.logprobs > 20:
+                raise ValueError(f"logprobs must be at most 20, got {self.logprobs}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SamplingParams":
+        """Build from a wire/JSON dict; unknown keys are an error naming the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if value != value:  # NaN
+        raise ValueError(f"{name} must not be NaN")

@@ -1,0 +1,110 @@
+"""Tokenizer from a checkpoint directory (`tokenizer.json` + `tokenizer_config.json`): encode/decode,
+the chat template (rendered with jinja2 the way transformers does), and incremental detokenization.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+_CONTEXT_TOKENS = 6  # prompt tokens decoded with the output so leading spaces/merges come out right
+
+
+def _token_text(tok: object) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok if isinstance(tok, str) else None
+
+
+class Tokenizer:
+    def __init__(self, path: str) -> None:
+        tok_file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tok_file):
+            raise ValueError(f"checkpoint {path!r} has no tokenizer.json (tandem needs a fast tokenizer file)")
+        try:
+            self._tok = HFTokenizer.from_file(tok_file)
+        except Exception as exc:  # tokenizers raises plain Exception on corrupt files
+            raise ValueError(f"cannot read {tok_file}: {exc}") from exc
+        cfg_file = os.path.join(path, "tokenizer_config.json")
+        cfg = {}
+        if os.path.isfile(cfg_file):
+            with open(cfg_file) as f:
+                cfg = json.load(f)
+        self.bos_token = _token_text(cfg.get("bos_token"))
+        self.eos_token = _token_text(cfg.get("eos_token"))
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja_file):
+            with open(jinja_file) as f:
+                template = f.read()
+        self.chat_template: str | None = template
+        self._compiled = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self.chat_template is None:
+            raise ValueError("this model's tokenizer_config.json has no chat_template; send a plain prompt instead")
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise ValueError("messages must be a list of {'role': str, 'content': str} objects")
+        if self._compiled is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[jinja2.ext.loopcontrols])
+            env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._compiled = env.from_string(self.chat_template)
+        try:
+            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # The template writes the special tokens itself (as transformers does).
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing token list. A token that ends inside a multi-byte character decodes
+    to U+FFFD; such text is held back until the character is complete (or the request finishes)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def add(self, new_ids: list[int], final: bool = False) -> str:
+        self.ids.extend(new_ids)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset:self.read_offset])
+        full_text = decode(self.ids[self.prefix_offset:])
+        if len(full_text) > len(prefix_text) and (final or not full_text.endswith("\ufffd")):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full_text[len(prefix_text):]
+        return ""

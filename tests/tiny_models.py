@@ -1,0 +1,95 @@
+"""Build tiny random Hugging Face checkpoints (4 architectures) + a trained byte-level BPE tokenizer.
+
+transformers is the oracle: it creates and saves the weights with `save_pretrained`, so tandem
+loads exactly what a user's checkpoint directory holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+
+VOCAB = 512
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def corpus_lines(limit: int = 4000) -> list[str]:
+    """Deterministic text every machine has: a few stdlib modules."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    lines: list[str] = []
+    for name in ("textwrap.py", "heapq.py", "bisect.py", "colorsys.py", "shlex.py"):
+        lines.extend((stdlib / name).read_text(encoding="utf-8").splitlines())
+    return (lines + ["héllo wörld — ünïcode ✓ 日本語 テキスト 😀"] * 20)[:limit]
+
+
+def write_tokenizer(path: str, vocab_size: int = VOCAB) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<|end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus_lines(), trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save(os.path.join(path, "tokenizer.json"))
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE,
+           "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096}
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def make_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides) -> str:
+    """Save a tiny random model of `arch` (llama | llama3 | mistral | qwen2 | qwen3) to `path`."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  bos_token_id=0, eos_token_id=1, initializer_range=0.1)
+    kinds = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, {}),
+        "llama3": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(
+            tie_word_embeddings=True, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM, dict(sliding_window=None)),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=32)),  # head_dim != hidden/heads
+    }
+    config_cls, model_cls, extra = kinds[arch]
+    config = config_cls(**{**common, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    if arch == "qwen2":  # random biases so a dropped bias would show up
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.1)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path)
+    return path
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers greedy continuation of each prompt (one at a time: no padding effects)."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                 eos_token_id=None, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
