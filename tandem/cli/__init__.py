@@ -1,0 +1,46 @@
+"""`tandem` command line: one subcommand per module in this package, each with `register(subparsers)`.
+
+Bad input (a ValueError/TypeError from anywhere below) exits with code 2 and one readable line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommand modules, in the order `tandem --help` lists them.
+COMMANDS = ["generate", "chat", "up", "launch", "router", "prefill", "decode", "plugins"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="tandem: LLM serving with disaggregated prefill and decode")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"tandem.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"tandem.cli.{name}":
+                continue  # not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args) or 0
+    except (ValueError, TypeError) as exc:
+        print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

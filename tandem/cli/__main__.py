@@ -1,0 +1,6 @@
+"""`python -m tandem.cli`."""
+import sys
+
+from tandem.cli import main
+
+sys.exit(main())

@@ -1,0 +1,53 @@
+"""Engine options as CLI flags, derived from EngineConfig's fields so the two never drift apart."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from tandem.config import EngineConfig
+
+_HELP = {
+    "dtype": "weights/activations dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16",
+    "num_kv_blocks": "number of KV cache blocks (overrides --kv-cache-memory-gb)",
+    "kv_cache_memory_gb": "memory for the KV cache in GiB",
+    "kv_cache_dtype": "KV cache storage: auto | fp8_e4m3 | int8",
+    "max_model_len": "longest sequence (prompt + output) in tokens",
+    "eviction": "prefix-cache eviction policy (see `tandem plugins`)",
+}
+_SKIP = {"model", "role"}
+_RENAMED = {"seed": "engine_seed"}  # `--seed` is the per-request sampling seed on every command
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _SKIP:
+            continue
+        dest = _RENAMED.get(f.name, f.name)
+        flag = "--" + dest.replace("_", "-")
+        if f.type in ("bool", bool):
+            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=_HELP.get(f.name))
+            continue
+        kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+        group.add_argument(flag, dest=dest, type=kind, default=f.default, help=_HELP.get(f.name))
+
+
+def engine_config_from_args(args: argparse.Namespace, model: str, role: str = "both") -> EngineConfig:
+    values = {f.name: getattr(args, _RENAMED.get(f.name, f.name))
+              for f in dataclasses.fields(EngineConfig) if f.name not in _SKIP}
+    return EngineConfig(model=model, role=role, **values)
+
+
+def add_model_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face checkpoint directory (default: the built-in tiny model shipped with tandem)")
+
+
+def resolve_model(path: str | None) -> str:
+    if path is not None:
+        return path
+    from tandem.default_model import default_model_path
+
+    return default_model_path()
