@@ -1,0 +1,125 @@
+"""Sampling and stopping: seeds, top-k/top-p/min-p, stop strings and ids, logprobs, streaming text."""
+
+import math
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.engine.sampler import filter_logits
+from tiny_models import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    return LLM(make_checkpoint(str(tmp_path_factory.mktemp("llama")), "llama"), num_kv_blocks=128, max_model_len=512)
+
+
+PROMPTS = ["def main():", "import os\nimport sys", "class Foo:\n    pass"]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=1234, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], params)[0].token_ids
+    batched = llm.generate(PROMPTS, [params, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True),
+                                     SamplingParams(temperature=0.7, seed=9, max_tokens=30, ignore_eos=True)])
+    assert batched[0].token_ids == alone
+    other_seed = llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, seed=99,
+                                                           ignore_eos=True))[0].token_ids
+    assert other_seed != alone
+    llm.engine.check_invariants()
+
+
+def test_top_k_1_equals_greedy(llm):
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    topk1 = llm.generate(PROMPTS, SamplingParams(temperature=1.3, top_k=1, max_tokens=20, ignore_eos=True))
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in topk1]
+
+
+def test_filters_keep_the_right_tokens():
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.06, 0.04]))
+    assert (filter_logits(logits, SamplingParams(top_k=2)) > 0).tolist() == [True, True, False, False, False]
+    # top_p 0.8: 0.5 + 0.25 = 0.75 < 0.8 so the third token is still needed.
+    assert (filter_logits(logits, SamplingParams(top_p=0.8)) > 0).tolist() == [True, True, True, False, False]
+    assert (filter_logits(logits, SamplingParams(top_p=0.75)) > 0).tolist() == [True, True, False, False, False]
+    # min_p 0.3: keep p >= 0.15.
+    assert (filter_logits(logits, SamplingParams(min_p=0.3)) > 0).tolist() == [True, True, True, False, False]
+    probs = filter_logits(logits, SamplingParams(temperature=0.5))
+    expected = torch.softmax(logits / 0.5, -1)
+    assert torch.allclose(probs, expected, atol=1e-6)
+
+
+def test_stop_token_ids_end_generation(llm):
+    base = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    stop_id = base.token_ids[5]
+    first = base.token_ids.index(stop_id)
+    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                    stop_token_ids=[stop_id]))[0]
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
+
+
+def test_stop_strings_truncate_text(llm):
+    base = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    text = base.text
+    assert len(text) > 6
+    stop = text[3:6]
+    out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+    assert out.text == text[: text.find(stop)]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert len(out.token_ids) < len(base.token_ids)
+    llm.engine.check_invariants()
+
+
+def test_eos_ends_unless_ignored(llm):
+    eos = 1  # tiny_models: eos_token_id=1
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8
+    # Force EOS through a stop-id-free path: a seeded sampler over a distribution where eos is certain
+    # is not available on a random model, so check the Request rule directly.
+    from tandem.engine.request import Request
+
+    req = Request("r", [5], SamplingParams(max_tokens=8), {eos}, 8)
+    assert req.append_token(eos) and req.finish_reason == "stop"
+    req2 = Request("r2", [5], SamplingParams(max_tokens=8, ignore_eos=True), {eos}, 8)
+    assert not req2.append_token(eos)
+
+
+def test_logprobs(llm):
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True))[0]
+    lps = out.outputs[0].logprobs
+    assert len(lps) == 6
+    for tok, lp in zip(out.token_ids, lps):
+        assert tok in lp
+        assert lp[tok] == max(lp.values())  # greedy picks the most likely token
+        assert all(v <= 0 for v in lp.values())
+        assert len(lp) >= 3
+
+
+def test_streaming_deltas_add_up_to_text(llm):
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    deltas = [o.text_delta for o in llm.stream(PROMPTS[0], params)]
+    final = llm.generate([PROMPTS[0]], params)[0]
+    assert "".join(deltas) == final.text
+    assert len([d for d in deltas if d]) > 1
+
+
+def test_multibyte_characters_split_across_tokens_stream_whole(llm):
+    from tandem.tokenizer import IncrementalDetokenizer
+
+    tok = llm.tokenizer
+    text = " ünïcode ✓ 日本語 テキスト 😀 done"
+    ids = tok.encode(text, add_special_tokens=False)
+    # Byte-level BPE: some characters span several tokens; every delta must be whole characters.
+    assert any("\ufffd" in tok.decode([i]) for i in ids), "corpus should split some multi-byte chars"
+    detok = IncrementalDetokenizer(tok, [])
+    deltas = [detok.add([i]) for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+
+
+def test_greedy_logprob_sum_matches_score(llm):
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=5, logprobs=0, ignore_eos=True))[0]
+    scored = llm.score([5, 6, 7, 8] + out.token_ids)
+    generated = [lp[t] for lp, t in zip(out.outputs[0].logprobs, out.token_ids)]
+    assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(scored[-5:], generated))
