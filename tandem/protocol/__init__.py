@@ -1,0 +1,1 @@
+"""Wire formats: the msgpack control messages between router, decode and prefill workers."""
