@@ -136,6 +136,19 @@ TORCH_TO_TL = {
 }
 
 
+# triton.jit returns an InterpretedFunction when TRITON_INTERPRET=1 was set before triton's import.
+INTERPRETED = type(round_half_even).__name__ == "InterpretedFunction"
+
+
+def check_device(t: torch.Tensor) -> None:
+    """Compiled Triton needs CUDA tensors; CPU tensors only work in the (test-only) interpreter."""
+    if t.device.type != "cuda" and not INTERPRETED:
+        raise ValueError(
+            f"Triton kernels got a {t.device.type} tensor: they need CUDA, or TRITON_INTERPRET=1 set before "
+            "triton is imported (tests only). On CPU use TANDEM_KERNELS=reference (the default there)."
+        )
+
+
 def next_pow2(n: int, minimum: int = 16) -> int:
     """Tile sizes are powers of two; tl.dot needs every dimension >= 16 on GPU."""
     return max(minimum, triton.next_power_of_2(max(int(n), 1)))
@@ -150,6 +163,7 @@ def dot_dtype(query: torch.Tensor) -> tl.dtype:
 
 def check_cache(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> bool:
     """Validate the cache / scale pair; returns True when the cache is quantized."""
+    check_device(kv_cache)
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
         raise ValueError(
             f"kv_cache must be [num_blocks, 2, block_size, num_kv_heads, head_dim], got {tuple(kv_cache.shape)}"

@@ -193,10 +193,11 @@ def paged_decode_attention(
         pml = torch.empty((b, num_splits, q_len, h, 2), dtype=torch.float32, device=query.device)
     block_r = next_pow2(q_len * group)
     block_d = next_pow2(d)
+    scale_t, *scale_strides = scale_args(kv_cache, kv_scale)
     _decode_kernel[(b, kv_heads, num_splits)](
-        query, kv_cache, *scale_args(kv_cache, kv_scale)[:1], block_tables, seq_lens, out, pacc, pml,
+        query, kv_cache, scale_t, block_tables, seq_lens, out, pacc, pml,
         float(scale) * LOG2E, block_size, partition,
-        *query.stride(), *kv_cache.stride(), *scale_args(kv_cache, kv_scale)[1:],
+        *query.stride(), *kv_cache.stride(), *scale_strides,
         *block_tables.stride(), *out.stride(),
         num_splits, h,
         Q=q_len, G=group, HEAD_DIM=d, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
