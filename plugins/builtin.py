@@ -1,0 +1,60 @@
+"""The built-in plugin: tandem's own strategies, published through the same hooks a third-party
+package uses (so `tandem plugins` lists them side by side, source `tandem-llm`).
+
+Strategies that other parts of the tree own are imported lazily, when their kind is first
+collected, and a part that is not built yet contributes nothing:
+
+- speculators: `plugins/speculators.py` exposes `SPECULATORS: dict[str, type]`
+- connectors:  `kvtransfer` exposes `CONNECTORS: dict[str, type]`
+- routing:     `plugins/routing.py` exposes `ROUTING_POLICIES: dict[str, type]` (a leaf module, so the
+               router service imports it and not the other way round)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from plugins.hookspecs import hookimpl
+
+
+def _optional_table(module: str, attr: str) -> dict[str, type[Any]]:
+    """`module.attr` if that module exists; {} while it is not written yet. Errors inside an
+    existing module propagate: a broken built-in must not look like a missing one."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module == exc.name or module.startswith(exc.name + ".")):
+            return {}
+        raise
+    return dict(getattr(mod, attr, {}))
+
+
+@hookimpl
+def tandem_eviction_policies() -> dict[str, type[Any]]:
+    from plugins.eviction import LFUEviction, LRUEviction
+    from plugins.eviction_prefix import PrefixAwareEviction
+
+    return {"lru": LRUEviction, "lfu": LFUEviction, "prefix_aware": PrefixAwareEviction}
+
+
+@hookimpl
+def tandem_kv_quantizers() -> dict[str, type[Any]]:
+    from plugins.quantizers import BUILTIN_QUANTIZERS
+
+    return dict(BUILTIN_QUANTIZERS)
+
+
+@hookimpl
+def tandem_speculators() -> dict[str, type[Any]]:
+    return _optional_table("plugins.speculators", "SPECULATORS")
+
+
+@hookimpl
+def tandem_kv_connectors() -> dict[str, type[Any]]:
+    return _optional_table("kvtransfer", "CONNECTORS")
+
+
+@hookimpl
+def tandem_routing_policies() -> dict[str, type[Any]]:
+    return _optional_table("plugins.routing", "ROUTING_POLICIES")
