@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from plugins.registry import resolve_eviction
+from plugins.registry import resolve_eviction, resolve_quantizer
 from tandem.config import EngineConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model_runner import ModelRunner
@@ -35,7 +35,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.model)
         self.max_model_len = self._resolve_max_model_len(model_cfg)
         self.runner = ModelRunner(config.model, config.torch_dtype, config.torch_device, self.max_model_len,
-                                  config.block_size, config.seed)
+                                  config.block_size, config.seed,
+                                  # --kv-cache-dtype: sizes the blocks below and allocates scales
+                                  kv_quantizer=resolve_quantizer(config.kv_cache_dtype))
         num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // self.runner.bytes_per_block())
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one "

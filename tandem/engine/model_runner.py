@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from kernels import get_ops
+from plugins.quantizers import KVLayout, KVQuantizer, NoQuantizer
 from tandem.engine import sampler
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.layers.attention import AttentionMetadata
@@ -30,29 +31,36 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model_path: str, dtype: torch.dtype, device: torch.device, max_model_len: int,
-                 block_size: int, seed: int = 0) -> None:
+                 block_size: int, seed: int = 0, kv_quantizer: KVQuantizer | None = None) -> None:
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.model = load_model(model_path, dtype, device, max_model_len + MAX_DECODE_QUERY_LEN)
         self.config = self.model.config
         self.ops = get_ops(device)
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: list[torch.Tensor] | None = None
+        # KV cache storage format (plugins/quantizers.py): cache dtype, optional per-token-head scales
+        # and the true bytes per block. None = the model's dtype, no scales.
+        self.kv_quantizer = kv_quantizer if kv_quantizer is not None else NoQuantizer()
         self.generator = torch.Generator().manual_seed(seed)
         self.layer_hook: Callable[[int], None] | None = None
 
     # ---- cache -------------------------------------------------------------------------------
-    def bytes_per_block(self, cache_dtype: torch.dtype | None = None) -> int:
+    def kv_layout(self) -> KVLayout:
         c = self.config
-        elem = torch.empty(0, dtype=cache_dtype or self.dtype).element_size()
-        return c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim * elem
+        return KVLayout(self.block_size, c.num_kv_heads, c.head_dim, self.dtype)
+
+    def bytes_per_block(self) -> int:
+        """True bytes of one block over all layers, quantization scales included: what the cache
+        memory budget is divided by (so an 8-bit cache holds ~2x the blocks of a 16-bit one)."""
+        return self.kv_quantizer.bytes_per_block(self.kv_layout(), self.config.num_layers)
 
     def allocate_kv_cache(self, num_blocks: int, allocator: Callable[..., torch.Tensor] | None = None) -> None:
-        """One [num_blocks, 2, block_size, kv_heads, head_dim] tensor per layer. `allocator(shape, dtype)`
-        lets a KV connector place the cache (e.g. in shared memory)."""
-        c = self.config
-        shape = (num_blocks, 2, self.block_size, c.num_kv_heads, c.head_dim)
+        """One [num_blocks, 2, block_size, kv_heads, head_dim] tensor per layer in the quantizer's dtype
+        and, for a quantized cache, one [num_blocks, 2, block_size, kv_heads] float32 scale tensor per
+        layer (`kv_scales`). `allocator(shape, dtype)` lets a KV connector place them (e.g. in shared memory)."""
         alloc = allocator or (lambda s, d: torch.zeros(s, dtype=d, device=self.device))
-        self.kv_caches = [alloc(shape, self.dtype) for _ in range(c.num_layers)]
+        self.kv_caches, self.kv_scales = self.kv_quantizer.allocate(self.kv_layout(), self.config.num_layers,
+                                                                    num_blocks, alloc)
 
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
