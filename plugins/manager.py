@@ -78,7 +78,8 @@ def plugin_manager() -> _Loaded:
     except pluggy.PluginValidationError as exc:
         name = pm.get_name(exc.plugin) if exc.plugin is not None else "?"
         raise ValueError(f"tandem plugin {name!r} from package {sources.get(name, '?')!r}: {exc}; "
-                         f"known hooks: {', '.join(KIND_HOOKS.values())}") from exc
+                         f"known hooks: {', '.join(KIND_HOOKS.values())}; fix or uninstall it, "
+                         f"or set {DISABLE_ENV}={name}") from exc
     return _Loaded(pm, sources)
 
 
@@ -105,28 +106,28 @@ def collect(kind: str) -> dict[str, PluginEntry]:
     base = _base_class(kind)
     out: dict[str, PluginEntry] = {}
     # Call each implementation on its own (not hook()) so every name keeps the plugin it came from.
-    for impl in reversed(hook.get_hookimpls()):  # pluggy lists last-registered first; builtin goes first
+    for impl in hook.get_hookimpls():  # registration order: builtin first, so a clash names the newcomer
         source = loaded.sources.get(impl.plugin_name, "?")
         where = f"plugin {impl.plugin_name!r} from package {source!r}"
+        fix = f"; fix or uninstall it, or set {DISABLE_ENV}={impl.plugin_name}"
         try:
             answer = impl.function()
         except Exception as exc:
-            raise ValueError(f"{where}: {KIND_HOOKS[kind]}() raised {type(exc).__name__}: {exc}") from exc
+            raise ValueError(f"{where}: {KIND_HOOKS[kind]}() raised {type(exc).__name__}: {exc}{fix}") from exc
         if answer is None:
             continue
         if not isinstance(answer, dict):
             raise ValueError(f"{where}: {KIND_HOOKS[kind]}() must return a dict {{name: class}}, "
-                             f"got {type(answer).__name__}")
+                             f"got {type(answer).__name__}{fix}")
         for name, cls in answer.items():
             if not isinstance(name, str) or not name:
-                raise ValueError(f"{where}: {kind} names must be non-empty strings, got {name!r}")
+                raise ValueError(f"{where}: {kind} names must be non-empty strings, got {name!r}{fix}")
             if not isinstance(cls, type) or (base is not None and not issubclass(cls, base)):
                 need = f"a subclass of {base.__module__}.{base.__name__}" if base else "a class"
-                raise ValueError(f"{where}: {kind} {name!r} must be {need}, got {cls!r}")
+                raise ValueError(f"{where}: {kind} {name!r} must be {need}, got {cls!r}{fix}")
             if name in out:
                 raise ValueError(f"{kind} {name!r} is registered by both package {out[name].source!r} "
-                                 f"(plugin {out[name].plugin!r}) and {where}; uninstall one or set "
-                                 f"{DISABLE_ENV}={impl.plugin_name}")
+                                 f"(plugin {out[name].plugin!r}) and {where}{fix}")
             out[name] = PluginEntry(cls, source, impl.plugin_name)
     return out
 
