@@ -28,6 +28,12 @@ class EngineConfig:
     eviction: str = "lru"
     role: str = "both"
     seed: int = 0
+    # Speculative decoding (plugins/speculators.py): a speculator name, tokens proposed per step,
+    # the draft checkpoint for `draft_model`, and the running-batch size above which it switches off.
+    speculator: str | None = None
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    spec_max_batch: int = 8
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -43,6 +49,13 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        # k + 1 query tokens must fit the runner's decode group (MAX_DECODE_QUERY_LEN = 16).
+        if not 1 <= self.num_speculative_tokens <= 15:
+            raise ValueError(f"num_speculative_tokens must be in [1, 15], got {self.num_speculative_tokens}")
+        if self.spec_max_batch < 1:
+            raise ValueError(f"spec_max_batch must be >= 1, got {self.spec_max_batch}")
+        if self.speculator == "draft_model" and not self.draft_model:
+            raise ValueError("speculator 'draft_model' needs draft_model (--draft-model PATH)")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

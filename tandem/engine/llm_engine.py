@@ -3,13 +3,15 @@ RequestOutputs with incremental text, stop strings, aborts.
 
 1. `add_request` validates (prompt length, parameters) and queues; bad input raises ValueError and
    leaves the engine untouched.
-2. `step` schedules one batch, runs it, advances every request by the computed-tokens rule, and
+2. `step` asks the speculator (if any) for proposals for the decoding requests, schedules one
+   batch, runs it (verifying proposals), advances every request by the computed-tokens rule, and
    detokenizes what was sampled; a stop string ends its request in the same step.
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +25,9 @@ from tandem.models.config import ModelConfig
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from plugins.speculators import Speculator
 
 _MAX_MODEL_LEN_DEFAULT_CAP = 8192
 
@@ -57,6 +62,24 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._text: dict[str, str] = {}
         self._ids = itertools.count()
+        self.current_schedule = None
+        self.speculator = self._make_speculator()
+        self.spec_active = self.speculator is not None  # dynamic: off while the batch > spec_max_batch
+        self.spec_switches = 0
+
+    def _make_speculator(self) -> "Speculator | None":
+        """Resolve the speculator by name once (never per step) and build it."""
+        if self.config.speculator is None:
+            return None
+        from plugins.speculators import SpeculatorContext
+
+        try:
+            from plugins.registry import resolve_speculator
+        except ImportError:  # the pluggy registry (issue 6 part A) is not in yet: built-ins only
+            from plugins.speculators import resolve_builtin_speculator as resolve_speculator
+        cls = resolve_speculator(self.config.speculator)
+        return cls(SpeculatorContext(self.config, self.model_config, self.max_model_len,
+                                     self.config.torch_device, self.config.torch_dtype))
 
     def _resolve_max_model_len(self, cfg: ModelConfig) -> int:
         limit = cfg.max_position_embeddings
@@ -121,7 +144,10 @@ class LLMEngine:
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self._speculate()
         out = self.scheduler.schedule()
+        self.current_schedule = out  # read by layer hooks (a prefill worker's layer-wise KV push)
         if out.empty:
             return []
         result = self.runner.execute(out)
@@ -134,6 +160,36 @@ class LLMEngine:
                 self._record_logprobs(req, result.logits[req.request_id], new_ids)
             outputs.append(self._output(req, new_ids))
         return outputs
+
+    def _speculate(self) -> None:
+        """Ask the speculator for proposals for the decoding requests; they ride along in this step's
+        schedule (num_new_tokens = 1 + k) and the runner verifies them."""
+        running = self.scheduler.running
+        active = len(running) <= self.config.spec_max_batch
+        if active != self.spec_active:
+            self.spec_active, self.spec_switches = active, self.spec_switches + 1
+        if not active:
+            return
+        spec = self.speculator
+        # Decoding = everything but the last sampled token is computed (not mid-prefill).
+        reqs = [r for r in running if r.num_computed_tokens == r.num_tokens - 1 and spec.num_to_propose(r) > 0]
+        if not reqs:
+            return
+        proposals = spec.propose(reqs)
+        probs = {}
+        for r in reqs:
+            toks = proposals.get(r.request_id, [])[:spec.num_to_propose(r)]
+            r.spec_token_ids = toks
+            if toks and r.request_id in spec.draft_probs:
+                probs[r.request_id] = spec.draft_probs[r.request_id][:len(toks)]
+        self.runner.draft_probs = probs
+
+    def speculator_stats(self) -> dict:
+        """Speculative decoding counters (for the metrics endpoint); {} without a speculator."""
+        if self.speculator is None:
+            return {}
+        return {"speculator": self.config.speculator, "num_speculative_tokens": self.config.num_speculative_tokens,
+                "active": self.spec_active, "num_switches": self.spec_switches, **self.runner.spec_stats.as_dict()}
 
     def _record_logprobs(self, req: Request, logits: torch.Tensor, new_ids: list[int]) -> None:
         from tandem.engine.sampler import top_logprobs
@@ -155,6 +211,8 @@ class LLMEngine:
             delta = self._apply_stop_strings(req, delta)
         text = self._text.get(rid, "")
         if req.finished:
+            if self.speculator is not None:
+                self.speculator.on_request_finished(rid)
             self._detok.pop(rid, None)
             self._text.pop(rid, None)
         completion = CompletionOutput(text, req.output_token_ids, req.finish_reason, req.stop_reason,

@@ -15,7 +15,7 @@ import torch
 
 from kernels import get_ops
 from plugins.quantizers import KVLayout, KVQuantizer, NoQuantizer
-from tandem.engine import sampler
+from tandem.engine import sampler, spec_decode
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.layers.attention import AttentionMetadata
 from tandem.models.loader import load_model
@@ -43,6 +43,10 @@ class ModelRunner:
         self.kv_quantizer = kv_quantizer if kv_quantizer is not None else NoQuantizer()
         self.generator = torch.Generator().manual_seed(seed)
         self.layer_hook: Callable[[int], None] | None = None
+        # Speculative decoding: the engine leaves the draft distributions of sampled proposals here
+        # each step (absent = deterministic proposal); `_sample` verifies and counts.
+        self.draft_probs: dict[str, torch.Tensor] = {}
+        self.spec_stats = spec_decode.SpecStats()
 
     # ---- cache -------------------------------------------------------------------------------
     def kv_layout(self) -> KVLayout:
@@ -103,16 +107,29 @@ class ModelRunner:
         return self._sample(sample_rows, logits)
 
     def _sample(self, sample_rows: list[tuple[ScheduledRequest, int, int]], logits: torch.Tensor) -> StepResult:
-        """logits holds k rows per request (k = 1 + speculated tokens); the last row of each is sampled."""
-        per_req, last_rows, offset = {}, [], 0
+        """logits holds k rows per request (k = 1 + speculated tokens). Plain requests sample their one
+        row; speculating ones verify all k rows (tandem/engine/spec_decode.py). The logits returned per
+        request are the rows of the tokens it emits (for logprobs)."""
+        per_req, sampled, plain, offset = {}, {}, [], 0
         for s, _, k in sample_rows:
-            per_req[s.request.request_id] = logits[offset:offset + k]
-            last_rows.append(offset + k - 1)
+            rid, r = s.request.request_id, s.request
+            if not s.spec_token_ids:
+                plain.append((r, offset))
+                per_req[rid] = logits[offset:offset + 1]
+            else:
+                toks = spec_decode.verify(logits[offset:offset + k], s.spec_token_ids, self.draft_probs.get(rid),
+                                          r.params, r.generator or self.generator)
+                emitted = spec_decode.truncate_at_stop(r, toks)
+                self.spec_stats.record(len(s.spec_token_ids), len(toks) - 1, len(emitted))
+                sampled[rid], per_req[rid] = emitted, logits[offset:offset + len(emitted)]
             offset += k
-        reqs = [s.request for s, _, _ in sample_rows]
-        tokens = sampler.sample(logits[last_rows], [r.params for r in reqs], [r.generator for r in reqs],
-                                self.generator)
-        return StepResult({r.request_id: [t] for r, t in zip(reqs, tokens)}, per_req)
+        self.draft_probs = {}
+        if plain:
+            reqs = [r for r, _ in plain]
+            tokens = sampler.sample(logits[[row for _, row in plain]], [r.params for r in reqs],
+                                    [r.generator for r in reqs], self.generator)
+            sampled.update((r.request_id, [t]) for r, t in zip(reqs, tokens))
+        return StepResult(sampled, per_req)
 
     def _block_table(self, group: list[ScheduledRequest]) -> torch.Tensor:
         width = max(len(s.request.block_ids) for s in group)

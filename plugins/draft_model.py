@@ -1,0 +1,169 @@
+"""DraftModelRunner: the `draft_model` speculator's machinery — a small checkpoint loaded with
+tandem's own model code, its own paged KV cache and block manager, and the catch-up rule that keeps
+that cache in step with each target request.
+
+Per request it remembers `num_computed_tokens` (draft KV that matches `req.token_ids`) and the
+drafted tokens whose KV it wrote past them. On the next `propose` the drafted tokens the target
+accepted are still valid KV; everything after the first mismatch is simply recomputed (and its
+slots overwritten), the same one rule the target's scheduler follows. One proposal is k forward
+passes of the draft, each batched over all requests: a varlen catch-up pass that yields the first
+draft token, then k-1 single-token decode passes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+
+from kernels import get_ops
+from plugins.eviction import LRUEviction
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.request import Request
+from tandem.engine.sampler import filter_logits
+from tandem.layers.attention import AttentionMetadata
+from tandem.models.config import ModelConfig
+from tandem.models.loader import load_model
+
+
+@dataclass(slots=True)
+class _DraftSeq:
+    """The draft cache's view of one request; duck-types what KVCacheManager reads off a Request."""
+
+    num_computed_tokens: int = 0  # leading req.token_ids whose draft KV is in the cache
+    block_ids: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)  # tokens whose KV sits right after num_computed_tokens
+
+
+def check_same_tokenizer(draft_path: str, target_path: str) -> None:
+    """A draft is only useful if its token ids mean the target's tokens."""
+    files = [os.path.join(p, "tokenizer.json") for p in (draft_path, target_path)]
+    for f in files:
+        if not os.path.isfile(f):
+            raise ValueError(f"cannot check that the draft and target share a tokenizer: {f} not found")
+    draft_vocab, target_vocab = (HFTokenizer.from_file(f).get_vocab(with_added_tokens=True) for f in files)
+    if draft_vocab != target_vocab:
+        diff = sorted(set(draft_vocab.items()) ^ set(target_vocab.items()))[:3]
+        raise ValueError(f"draft model {draft_path!r} does not share the target's tokenizer "
+                         f"({len(draft_vocab)} vs {len(target_vocab)} tokens; first differences {diff}); "
+                         "speculative decoding needs identical token ids")
+
+
+class DraftModelRunner:
+    def __init__(self, path: str, *, target_path: str, target_vocab_size: int, dtype: torch.dtype,
+                 device: torch.device, block_size: int, max_model_len: int, k: int, max_seqs: int,
+                 seed: int = 0) -> None:
+        check_same_tokenizer(path, target_path)
+        cfg = ModelConfig.from_dir(path)
+        self.vocab_size = target_vocab_size  # draft rows are cut/padded to it (checkpoints pad vocabs differently)
+        self.device, self.block_size = device, block_size
+        self.model = load_model(path, dtype, device, max_model_len + k + 1)
+        self.ops = get_ops(device)
+        # Room for max_seqs full-length sequences plus their drafted tail; more live requests than
+        # that only happens after speculation was off, and then stale states are dropped (see _room).
+        per_seq = -(-(max_model_len + k) // block_size)
+        num_blocks = (max_seqs + 1) * per_seq
+        shape = (num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.kv = KVCacheManager(num_blocks, block_size, LRUEviction(num_blocks), enable_caching=False)
+        self.seqs: dict[str, _DraftSeq] = {}
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def release(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.kv.free(seq)  # type: ignore[arg-type]  (duck-typed Request)
+
+    # ---- proposing -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], ks: list[int]) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+        """Draft ks[i] tokens after each request's token_ids. Returns tokens and, for requests that
+        sample (temperature > 0), the [k, V] distributions they were drawn from."""
+        wanted = {r.request_id for r in requests}
+        batch = [(r, k) for r, k in zip(requests, ks) if self._prepare(r, k, wanted)]
+        tokens: dict[str, list[int]] = {r.request_id: [] for r, _ in batch}
+        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in batch if not r.params.greedy}
+        if not batch:
+            return {}, {}
+        # Pass 1: catch up on everything after the valid draft KV, sample the first draft token.
+        chunks = [(r, self.seqs[r.request_id].num_computed_tokens, r.num_tokens) for r, _ in batch]
+        logits = self._forward([(r, r.token_ids[a:b], a) for r, a, b in chunks], decode=False)
+        self._sample(batch, logits, tokens, probs)
+        # Passes 2..k: one token each, for the requests that still want more.
+        for step in range(1, max(k for _, k in batch)):
+            live = [(r, k) for r, k in batch if k > step]
+            feed = [(r, [tokens[r.request_id][-1]], r.num_tokens + step - 1) for r, _ in live]
+            self._sample(live, self._forward(feed, decode=True), tokens, probs)
+        for r, k in batch:
+            seq = self.seqs[r.request_id]
+            seq.num_computed_tokens = r.num_tokens
+            seq.drafted = tokens[r.request_id][:k - 1]  # the last draft token was never fed back
+        return tokens, {rid: torch.stack(rows) for rid, rows in probs.items()}
+
+    def _prepare(self, req: Request, k: int, wanted: set[str]) -> bool:
+        """Apply the catch-up rule to req's draft state and reserve slots for this proposal."""
+        seq = self.seqs.setdefault(req.request_id, _DraftSeq())
+        valid, ids = seq.num_computed_tokens, req.token_ids
+        # Drafted tokens the target accepted kept their (correct) KV. Capping at num_tokens - 1 alone
+        # already stops at the first rejected one; comparing is a cheap guard for proposals cut short.
+        for t in seq.drafted:
+            if valid >= len(ids) or ids[valid] != t:
+                break
+            valid += 1
+        # At least the last token is fed again: its logits give the first draft token.
+        seq.num_computed_tokens = min(valid, req.num_tokens - 1)
+        seq.drafted = []
+        need = req.num_tokens + k - 1 - seq.num_computed_tokens
+        if self.kv.allocate(seq, need):  # type: ignore[arg-type]
+            return True
+        for rid in [rid for rid in self.seqs if rid not in wanted]:
+            self.release(rid)  # stale state of requests not speculated right now
+        return self.kv.allocate(seq, need)  # type: ignore[arg-type]
+
+    def _sample(self, batch: list[tuple[Request, int]], logits: torch.Tensor, tokens: dict[str, list[int]],
+                probs: dict[str, list[torch.Tensor]]) -> None:
+        if logits.shape[1] > self.vocab_size:
+            logits = logits[:, :self.vocab_size]
+        elif logits.shape[1] < self.vocab_size:
+            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[1]), value=float("-inf"))
+        greedy = logits.argmax(dim=-1).tolist()
+        for i, (r, _) in enumerate(batch):
+            if r.params.greedy:
+                tokens[r.request_id].append(greedy[i])
+                continue
+            q = filter_logits(logits[i].float().cpu(), r.params)
+            tokens[r.request_id].append(int(torch.multinomial(q, 1, generator=r.generator or self.generator)))
+            probs[r.request_id].append(q)
+
+    def _forward(self, feed: list[tuple[Request, list[int], int]], decode: bool) -> torch.Tensor:
+        """feed: (request, input tokens, position of the first). Returns logits of each last token."""
+        bs, dev = self.block_size, self.device
+        ids, positions, slots, ends, starts, lens, tables = [], [], [], [], [0], [], []
+        for r, toks, start in feed:
+            bt = self.seqs[r.request_id].block_ids
+            pos = range(start, start + len(toks))
+            ids.extend(toks)
+            positions.extend(pos)
+            slots.extend(bt[p // bs] * bs + p % bs for p in pos)
+            ends.append(len(ids) - 1)
+            starts.append(len(ids))
+            lens.append(start + len(toks))
+            tables.append(bt)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+        meta = AttentionMetadata(
+            ops=self.ops, kv_caches=self.kv_caches, kv_scales=None,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode_seqs=len(feed) if decode else 0, decode_query_len=1 if decode else 0,
+            decode_block_tables=table if decode else None, decode_seq_lens=seq_lens if decode else None,
+            prefill_block_tables=None if decode else table,
+            prefill_query_start_loc=None if decode else torch.tensor(starts, dtype=torch.int32, device=dev),
+            prefill_seq_lens=None if decode else seq_lens,
+        )
+        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta)
+        return self.model.compute_logits(hidden[torch.tensor(ends, device=dev)])

@@ -1,0 +1,137 @@
+"""Speculator plugins: the interface the engine calls to get speculated tokens, and the built-ins
+`ngram` (prompt lookup) and `draft_model` (a small checkpoint run by tandem's own model code; the
+machinery lives in plugins/draft_model.py).
+
+Contract with the engine (tandem/engine/llm_engine.py):
+1. Constructed once at engine start with a `SpeculatorContext` (resolved by name once, never per step).
+2. Each step, while speculation is on, `propose(requests)` gets the running requests that are
+   decoding (every token but the last sampled one is computed) and returns up to
+   `num_to_propose(req)` tokens per request id. A request missing from the answer is not speculated.
+3. A speculator that *sampled* its proposal (temperature > 0) leaves the distributions it sampled
+   from in `self.draft_probs[request_id]` ([k, V]) for exact rejection sampling; no entry means a
+   deterministic proposal (a point mass).
+4. `on_request_finished(request_id)` drops per-request state. There is no acceptance callback: the
+   next `propose` sees the accepted tokens in `req.token_ids`, which is the only truth to sync to.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from array import array
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.request import Request
+from tandem.models.config import ModelConfig
+
+
+@dataclass(slots=True)
+class SpeculatorContext:
+    """What a speculator may need to build itself."""
+
+    config: EngineConfig  # num_speculative_tokens, draft_model, spec_max_batch, block_size, seed...
+    model_config: ModelConfig  # the target model's
+    max_model_len: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+class Speculator(ABC):
+    """Proposes up to k tokens per decoding request, batched over the running requests."""
+
+    def __init__(self, ctx: SpeculatorContext) -> None:
+        self.ctx = ctx
+        self.k = ctx.config.num_speculative_tokens
+        self.draft_probs: dict[str, torch.Tensor] = {}
+
+    def num_to_propose(self, req: Request) -> int:
+        """k, less where max_tokens is near: a verifying step emits up to proposals + 1 tokens."""
+        return max(0, min(self.k, req.max_tokens - req.num_output_tokens - 1))
+
+    @abstractmethod
+    def propose(self, requests: Sequence[Request]) -> dict[str, list[int]]:
+        """Speculated continuations of each request's `token_ids` (may be shorter than k, or absent)."""
+
+    def on_request_finished(self, request_id: str) -> None:  # noqa: B027 (optional hook)
+        """The request finished or was aborted: free anything held for it."""
+
+
+class NgramSpeculator(Speculator):
+    """Prompt lookup decoding: find the latest earlier occurrence of the context's last n tokens
+    (n from max_n down to min_n) and propose the tokens that followed it. Costs no model call."""
+
+    def __init__(self, ctx: SpeculatorContext, max_n: int = 3, min_n: int = 1) -> None:
+        super().__init__(ctx)
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"ngram sizes need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.max_n, self.min_n = max_n, min_n
+
+    def propose(self, requests: Sequence[Request]) -> dict[str, list[int]]:
+        out = {}
+        for req in requests:
+            k = self.num_to_propose(req)
+            if k > 0:
+                toks = ngram_lookup(req.token_ids, k, self.max_n, self.min_n)
+                if toks:
+                    out[req.request_id] = toks
+        return out
+
+
+def ngram_lookup(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier match of tokens[-n:], largest n first."""
+    size = len(tokens)
+    # Tokens as 4-byte words so bytes.rfind does the scanning in C; a hit must be word-aligned.
+    data = array("I", tokens).tobytes()
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        pattern = data[(size - n) * 4:]
+        end = (size - 1) * 4  # a match must end before the last token: at least one token follows it
+        while (pos := data.rfind(pattern, 0, end)) >= 0:
+            if pos % 4 == 0:
+                start = pos // 4 + n
+                return tokens[start:start + k]
+            end = pos + len(pattern) - 1  # an unaligned hit: look further left
+    return []
+
+
+class DraftModelSpeculator(Speculator):
+    """A smaller checkpoint with the target's tokenizer drafts k tokens autoregressively, with its
+    own paged KV cache that follows each request's accepted tokens (see plugins/draft_model.py)."""
+
+    def __init__(self, ctx: SpeculatorContext) -> None:
+        super().__init__(ctx)
+        from plugins.draft_model import DraftModelRunner  # loads torch model code only when chosen
+
+        cfg = ctx.config
+        if not cfg.draft_model:
+            raise ValueError("the draft_model speculator needs --draft-model PATH (a Hugging Face checkpoint "
+                             "directory sharing the target's tokenizer)")
+        self.runner = DraftModelRunner(
+            cfg.draft_model, target_path=cfg.model, target_vocab_size=ctx.model_config.vocab_size,
+            dtype=ctx.dtype, device=ctx.device, block_size=cfg.block_size, max_model_len=ctx.max_model_len,
+            k=self.k, max_seqs=cfg.spec_max_batch, seed=cfg.seed)
+
+    def propose(self, requests: Sequence[Request]) -> dict[str, list[int]]:
+        ks = [self.num_to_propose(r) for r in requests]
+        todo = [(r, k) for r, k in zip(requests, ks) if k > 0]
+        tokens, probs = self.runner.propose([r for r, _ in todo], [k for _, k in todo])
+        self.draft_probs = probs
+        return tokens
+
+    def on_request_finished(self, request_id: str) -> None:
+        self.runner.release(request_id)
+
+
+BUILTIN_SPECULATORS: dict[str, type[Speculator]] = {"ngram": NgramSpeculator, "draft_model": DraftModelSpeculator}
+
+
+def resolve_builtin_speculator(name: str) -> type[Speculator]:
+    """Fallback until the pluggy registry (plugins/registry.resolve_speculator) is in place."""
+    if name not in BUILTIN_SPECULATORS:
+        raise ValueError(f"unknown speculator {name!r}; available: {', '.join(sorted(BUILTIN_SPECULATORS))}")
+    return BUILTIN_SPECULATORS[name]
+
+
+SPECULATORS = BUILTIN_SPECULATORS  # the name plugins/builtin.py publishes through tandem_speculators()

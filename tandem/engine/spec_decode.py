@@ -1,0 +1,123 @@
+"""Speculative decoding verification: which speculated tokens a request keeps, and its counters.
+
+One target forward pass scores k+1 positions of a request (its last real token followed by the k
+speculated ones); row i holds the target's logits for the token after position i. Verification is
+exact, so speculation never changes what a request can produce:
+
+- greedy: keep draft tokens while each equals the target's argmax, then append the target's token
+  at the first mismatch (or the bonus token after all k);
+- temperature > 0 (Leviathan et al. / Chen et al. speculative sampling): keep draft token x_i with
+  probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection sample from norm(max(0, p_i - q_i));
+  after k acceptances sample the bonus token from p_k. `q = None` means a deterministic proposal
+  (n-gram lookup): a point mass, so acceptance is p_i(x_i) and the residual is p_i without x_i.
+
+p is the target's distribution *after* the request's temperature/top-k/top-p/min-p, i.e. the one
+plain sampling would draw from; every random draw uses the request's own generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.engine.request import Request
+from tandem.engine.sampler import filter_logits
+from tandem.sampling_params import SamplingParams
+
+
+def greedy_verify(target_argmax: list[int], draft: list[int]) -> list[int]:
+    """target_argmax has len(draft) + 1 entries; returns accepted draft tokens + one target token."""
+    n = 0
+    while n < len(draft) and draft[n] == target_argmax[n]:
+        n += 1
+    return list(draft[:n]) + [target_argmax[n]]
+
+
+def rejection_verify(target_probs: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None,
+                     generator: torch.Generator | None) -> list[int]:
+    """target_probs [k+1, V] (rows sum to 1), draft_probs [k, V] or None (point masses).
+    Consumes exactly k uniforms and one categorical draw from `generator`."""
+    k = len(draft)
+    idx = torch.arange(k)
+    x = torch.tensor(draft, dtype=torch.long)
+    p_x = target_probs[idx, x]
+    q_x = draft_probs[idx, x] if draft_probs is not None else torch.ones(k)
+    u = torch.rand(k, generator=generator)
+    # u < p/q, written without the division so q_x == 0 (impossible for a sampled token) is safe.
+    accepted = (u * q_x < p_x).tolist()
+    n = accepted.index(False) if False in accepted else k
+    if n == k:
+        bonus = torch.multinomial(target_probs[k], 1, generator=generator)
+        return list(draft) + [int(bonus)]
+    p = target_probs[n]
+    if draft_probs is not None:
+        residual = (p - draft_probs[n]).clamp_min(0.0)
+    else:
+        residual = p.clone()
+        residual[draft[n]] = 0.0
+    if float(residual.sum()) <= 0.0:  # p == q up to rounding: a rejection had probability ~0
+        residual = p
+    y = torch.multinomial(residual / residual.sum(), 1, generator=generator)
+    return list(draft[:n]) + [int(y)]
+
+
+def verify(logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None, params: SamplingParams,
+           generator: torch.Generator | None) -> list[int]:
+    """logits [k+1, V] of one request -> the tokens it keeps (1 to k+1 of them)."""
+    if params.greedy:
+        return greedy_verify(logits.argmax(dim=-1).tolist(), draft)
+    rows = logits.float().cpu()
+    p = torch.stack([filter_logits(rows[i], params) for i in range(rows.shape[0])])
+    q = draft_probs.float().cpu() if draft_probs is not None else None
+    return rejection_verify(p, draft, q, generator)
+
+
+def truncate_at_stop(req: Request, tokens: list[int]) -> list[int]:
+    """Cut an accepted run after the token that would finish the request (EOS, a stop token id,
+    max_tokens): the same rules as `Request.append_token`, applied before anything is appended."""
+    params = req.params
+    for i, t in enumerate(tokens):
+        if ((not params.ignore_eos and t in req.eos_token_ids) or t in params.stop_token_ids
+                or req.num_output_tokens + i + 1 >= req.max_tokens):
+            return tokens[:i + 1]
+    return tokens
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Counters over all verifications (for metrics): proposals are counted before truncation."""
+
+    num_verifications: int = 0  # request-steps that verified at least one speculated token
+    num_drafted_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # tokens produced by verifying steps (accepted + one each), after truncation
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: times draft position i was kept
+    drafted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+        self.num_verifications += 1
+        self.num_drafted_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        self.num_emitted_tokens += num_emitted
+        grow = num_drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for i in range(num_drafted):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += i < num_accepted
+
+    def as_dict(self) -> dict:
+        v = self.num_verifications
+        return {
+            "num_verifications": v,
+            "num_drafted_tokens": self.num_drafted_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_emitted_tokens": self.num_emitted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+            "drafted_per_position": list(self.drafted_per_position),
+            "acceptance_rate": self.num_accepted_tokens / self.num_drafted_tokens if self.num_drafted_tokens else 0.0,
+            # Draft tokens kept per verifying step; tokens per step is this + 1.
+            "mean_accepted_length": self.num_accepted_tokens / v if v else 0.0,
+        }
