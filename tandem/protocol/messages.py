@@ -18,6 +18,8 @@ message and keeps serving. `encode()` is the only way messages are built.
 | stats_reply     | worker -> sender  | stats (map)                                                            |
 | trace           | any -> worker     | id                                                                     |
 | trace_reply     | worker -> sender  | id, events (map of name -> monotonic ns)                               |
+| register        | worker -> router  | worker_id, role ("decode" or "prefill"), control_address, model, interval_ms (heartbeat period) |
+| heartbeat       | worker -> router  | worker_id, stats (the worker's stats map); an unknown worker_id is answered with `error` |
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "stats_reply": {"stats": _MAP},
     "trace": {"id": _STR},
     "trace_reply": {"id": _STR, "events": _MAP},
+    "register": {"worker_id": _STR, "role": _STR, "control_address": _STR, "model": _STR, "interval_ms": _INT},
+    "heartbeat": {"worker_id": _STR, "stats": _MAP},
 }
 # Optional fields a message may carry beyond its schema (passed through unchecked but typed here).
 OPTIONAL: dict[str, dict[str, str]] = {
