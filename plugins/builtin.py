@@ -6,8 +6,8 @@ collected, and a part that is not built yet contributes nothing:
 
 - speculators: `plugins/speculators.py` exposes `SPECULATORS: dict[str, type]`
 - connectors:  `kvtransfer` exposes `CONNECTORS: dict[str, type]`
-- routing:     `plugins/routing.py` exposes `ROUTING_POLICIES: dict[str, type]` (a leaf module, so the
-               router service imports it and not the other way round)
+- routing:     `router_svc/routing.py` exposes `ROUTING_POLICIES: dict[str, type]` (it imports nothing
+               from the services beyond the engine's block hash, so loading it here stays cheap)
 """
 
 from __future__ import annotations
@@ -57,4 +57,4 @@ def tandem_kv_connectors() -> dict[str, type[Any]]:
 
 @hookimpl
 def tandem_routing_policies() -> dict[str, type[Any]]:
-    return _optional_table("plugins.routing", "ROUTING_POLICIES")
+    return _optional_table("router_svc.routing", "ROUTING_POLICIES")

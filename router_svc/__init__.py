@@ -1,0 +1,13 @@
+"""The router service: tandem's front door (gRPC `tandem.v1.Generation` + OpenAI-compatible HTTP),
+the worker registry, routing policies and admission control. Start it with `tandem router`.
+
+- server.py     RouterConfig and `serve()`: wires everything onto one asyncio loop
+- core.py       a request's lifecycle through the router (admission, dispatch, retry, abort)
+- registry.py   decode/prefill workers: registration, heartbeats, static workers, expiry
+- routing.py    the built-in routing policies (round_robin, least_loaded, prefix_affinity)
+- links.py      one ZMQ DEALER per worker (asyncio), the registration ROUTER socket
+- prompts.py    model name check, tokenization, chat template
+- openai_api.py / http_server.py   OpenAI-compatible HTTP on the standard library
+- grpc_api.py   the gRPC servicer, health and reflection
+- errors.py / metrics.py
+"""

@@ -1,0 +1,250 @@
+"""The router core: one request's lifecycle through the router (both front ends share it).
+
+1. A front end (HTTP or gRPC) validates the request, tokenizes it (prompts.py) and calls
+   `submit(token_ids, params, request_id)`.
+2. Admission: beyond `max_inflight` unfinished requests the call fails at once with Overloaded
+   (HTTP 429 / RESOURCE_EXHAUSTED, with a retry-after) — nothing is queued, so load beyond
+   capacity costs a rejection, not memory. A client request id already in flight is a BadRequest.
+3. Dispatch: the decode policy picks a live D, the prefill policy a live P (none registered:
+   D computes the prompt itself, colocated), and `add_request(id, token_ids, sampling,
+   prefill_peer=P)` goes to D. No live D: NoWorkers (HTTP 503 / UNAVAILABLE).
+4. D streams `output` messages back on the router's link to it; each becomes a Chunk on the
+   request's queue, which the front end drains (`Stream`). An `error` from D before any token is a
+   BadRequest (D's validation), after tokens an internal error.
+5. The last output (finished) frees the admission slot at once, whether or not the client has read it.
+6. `Stream.close()` before the end (client cancelled or disconnected) sends `abort` to D, which
+   frees the blocks on D and tells P to stop.
+7. If D is declared lost (missed heartbeats): a request that has not handed any token to its
+   client yet is dispatched again on another D; one that has is ended with WorkerLost — a clear
+   error, never a hung stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import structlog
+
+from router_svc import metrics
+from router_svc.errors import BadRequest, NoWorkers, Overloaded, RouterError, WorkerLost
+from router_svc.registry import Registry, Worker
+from router_svc.routing import RouteRequest, RoutingPolicy, prefix_key
+from tandem.sampling_params import SamplingParams
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One `output` message from D, as the front ends see it."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: Any = None
+
+
+@dataclass(slots=True)
+class Flight:
+    """A request between admission and its end."""
+
+    rid: str
+    token_ids: list[int]
+    sampling: dict[str, Any]
+    route: RouteRequest
+    log: Any
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    decode: Worker | None = None
+    prefill: Worker | None = None  # counted in its inflight until the first token arrives
+    tokens_out: int = 0
+    attempts: int = 0
+    done: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+
+class Router:
+    def __init__(self, registry: Registry, send: Callable[..., None], decode_policy: RoutingPolicy,
+                 prefill_policy: RoutingPolicy, max_inflight: int = 256, block_size: int = 16,
+                 affinity_blocks: int = 4, retry_after_s: int = 1) -> None:
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        self.registry = registry
+        self.send = send  # send(address, msg_type, **fields); raises ConnectionError
+        self.decode_policy = decode_policy
+        self.prefill_policy = prefill_policy
+        self.max_inflight = max_inflight
+        self.block_size = block_size
+        self.affinity_blocks = affinity_blocks
+        self.retry_after_s = retry_after_s
+        self.flights: dict[str, Flight] = {}
+
+    # ---- 1-3: admission and dispatch --------------------------------------------------------------
+    def submit(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> "Stream":
+        if len(self.flights) >= self.max_inflight:
+            raise Overloaded(f"the server is at its limit of {self.max_inflight} requests in flight; retry later",
+                             retry_after_s=self.retry_after_s)
+        rid = request_id or f"req-{uuid.uuid4().hex}"
+        if rid in self.flights:
+            raise BadRequest(f"request_id {rid!r} is already in flight", param="request_id")
+        route = RouteRequest(rid, token_ids, prefix_key(token_ids, self.block_size, self.affinity_blocks))
+        flight = Flight(rid, token_ids, params.to_dict(), route, log.bind(request_id=rid))
+        self._dispatch(flight, exclude=set())
+        self.flights[rid] = flight
+        metrics.IN_FLIGHT.set(len(self.flights))
+        return Stream(self, flight)
+
+    def _dispatch(self, flight: Flight, exclude: set[str]) -> None:
+        while True:
+            decoders = [w for w in self.registry.live("decode") if w.worker_id not in exclude]
+            if not decoders:
+                raise NoWorkers("no decode worker is available" + (" (the one serving this request was lost)"
+                                                                   if flight.attempts else ""))
+            d = self.decode_policy.choose(decoders, flight.route)
+            prefills = self.registry.live("prefill")
+            p = self.prefill_policy.choose(prefills, flight.route) if prefills else None
+            try:
+                self.send(d.address, "add_request", id=flight.rid, token_ids=flight.token_ids,
+                          sampling=flight.sampling, prefill_peer=p.address if p is not None else None)
+            except ConnectionError as exc:
+                flight.log.warning("decode worker refused the request", worker_id=d.worker_id, error=str(exc))
+                exclude.add(d.worker_id)
+                continue
+            flight.decode, flight.prefill, flight.attempts = d, p, flight.attempts + 1
+            d.inflight += 1
+            if p is not None:
+                p.inflight += 1
+            flight.log.debug("dispatched", decode=d.worker_id, prefill=p.worker_id if p else None)
+            return
+
+    # ---- 4-5: messages from decode workers -------------------------------------------------------
+    def on_worker_message(self, address: str, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        if kind == "stats_reply":
+            self.registry.on_stats_reply(address, msg["stats"])
+            return
+        flight = self.flights.get(msg.get("id") or "")
+        if flight is None or flight.done or flight.decode is None or flight.decode.address != address:
+            if kind == "error" and msg.get("id") is None:
+                log.warning("error from worker", worker=address, message=msg.get("message"))
+            return  # late output of an aborted / retried request
+        if kind == "output":
+            self._on_output(flight, msg)
+        elif kind == "error":
+            if flight.tokens_out == 0:
+                err: RouterError = BadRequest.from_exception(ValueError(msg["message"]))
+            else:
+                err = RouterError(f"the decode worker failed the request: {msg['message']}")
+            self._end(flight, err)
+
+    def _on_output(self, flight: Flight, msg: dict[str, Any]) -> None:
+        self._release_prefill(flight)
+        if flight.tokens_out == 0 and msg["token_ids"]:
+            metrics.TTFT.observe(time.monotonic() - flight.started)
+        flight.tokens_out += len(msg["token_ids"])
+        chunk = Chunk(msg["token_ids"], msg["text"], msg["finished"], msg["finish_reason"], msg.get("stop_reason"),
+                      msg["num_prompt_tokens"], msg["num_cached_tokens"], msg.get("logprobs"))
+        if chunk.finished:
+            metrics.DURATION.observe(time.monotonic() - flight.started)
+            self._end(flight, chunk)
+        else:
+            flight.queue.put_nowait(chunk)
+
+    def _end(self, flight: Flight, last: Chunk | RouterError) -> None:
+        """Last item for the client; frees the admission slot and the worker counts."""
+        flight.done = True
+        flight.queue.put_nowait(last)
+        self._release_prefill(flight)
+        if flight.decode is not None:
+            flight.decode.inflight -= 1
+        self.flights.pop(flight.rid, None)
+        metrics.IN_FLIGHT.set(len(self.flights))
+
+    def _release_prefill(self, flight: Flight) -> None:
+        if flight.prefill is not None:
+            flight.prefill.inflight -= 1
+            flight.prefill = None
+
+    # ---- 6: cancel ------------------------------------------------------------------------------
+    def abort(self, flight: Flight) -> None:
+        if flight.done:
+            return
+        flight.log.info("aborting", decode=flight.decode.worker_id if flight.decode else None,
+                        tokens_out=flight.tokens_out)
+        if flight.decode is not None:
+            try:
+                self.send(flight.decode.address, "abort", id=flight.rid)
+            except ConnectionError:
+                pass  # D is unreachable: its own expiry frees nothing here, and its blocks die with it
+        self._end(flight, RouterError("the request was cancelled"))
+
+    # ---- 7: lost workers -------------------------------------------------------------------------
+    def on_worker_lost(self, worker: Worker) -> None:
+        for flight in list(self.flights.values()):
+            if flight.prefill is worker:
+                self._release_prefill(flight)  # D notices P's silence and computes the prompt itself
+            if flight.decode is not worker:
+                continue
+            worker.inflight -= 1
+            try:  # in case it is only slow: it should stop computing for nobody
+                self.send(worker.address, "abort", id=flight.rid)
+            except ConnectionError:
+                pass
+            flight.decode = None
+            if flight.tokens_out:
+                flight.log.warning("decode worker lost mid-stream", worker_id=worker.worker_id,
+                                   tokens_out=flight.tokens_out)
+                self._end(flight, WorkerLost(
+                    f"decode worker {worker.worker_id} stopped responding after {flight.tokens_out} tokens "
+                    "had been sent; the request cannot be resumed, please retry it"))
+                continue
+            self._release_prefill(flight)
+            try:
+                self._dispatch(flight, exclude={worker.worker_id})
+                metrics.RETRIES.inc()
+                flight.log.info("retried on another decode worker", lost=worker.worker_id,
+                                decode=flight.decode.worker_id if flight.decode else None)
+            except NoWorkers as exc:
+                self._end(flight, exc)
+
+    def describe(self) -> dict[str, Any]:
+        return {"in_flight": len(self.flights), "max_inflight": self.max_inflight}
+
+
+class Stream:
+    """What a front end reads: Chunks until one is finished; raises the RouterError that ended it."""
+
+    def __init__(self, router: Router, flight: Flight) -> None:
+        self.router = router
+        self.flight = flight
+        self._ended = False
+
+    @property
+    def request_id(self) -> str:
+        return self.flight.rid
+
+    def __aiter__(self) -> "Stream":
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._ended:
+            raise StopAsyncIteration
+        item = await self.flight.queue.get()
+        if isinstance(item, RouterError):
+            self._ended = True
+            raise item
+        if item.finished:
+            self._ended = True
+        return item
+
+    def close(self) -> None:
+        """Always call when done (finally:); before the end it aborts the request on D."""
+        self._ended = True
+        self.router.abort(self.flight)

@@ -1,0 +1,126 @@
+"""gRPC front end: `tandem.v1.Generation/Generate` (server streaming), the standard
+`grpc.health.v1.Health` service and server reflection, on a grpc.aio server sharing the router's loop.
+
+A call: GenerateRequest -> token ids + SamplingParams (unset optional fields keep SamplingParams'
+defaults) -> `Router.submit` -> one GenerateResponse per Chunk; the last carries finish reason,
+stop reason and usage. A cancelled call raises CancelledError inside the handler; `finally:` closes
+the Stream, which sends `abort` to D. Errors map to status codes: INVALID_ARGUMENT (message names
+the parameter), NOT_FOUND (model), RESOURCE_EXHAUSTED (+ `retry-after` trailing metadata),
+UNAVAILABLE (no decode worker / worker lost).
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from router_svc import metrics
+from router_svc.core import Chunk, Router
+from router_svc.errors import BadRequest, Overloaded, RouterError
+from router_svc.openai_api import SAMPLING_NAMES
+from router_svc.prompts import ServedModel
+from tandem.protocol import generation_pb2 as pb
+from tandem.protocol import generation_pb2_grpc as pb_grpc
+from tandem.sampling_params import SamplingParams
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+_OPTIONAL_SCALARS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs")
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    kw: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL_SCALARS if msg.HasField(name)}
+    kw["stop"] = list(msg.stop)
+    kw["stop_token_ids"] = list(msg.stop_token_ids)
+    try:
+        return SamplingParams(**kw)
+    except (ValueError, TypeError) as exc:
+        raise BadRequest.from_exception(exc, SAMPLING_NAMES) from None
+
+
+def prompt_from_proto(request: pb.GenerateRequest, model: ServedModel) -> list[int]:
+    which = request.WhichOneof("prompt")
+    if which == "text":
+        return model.encode_text(request.text, param="text")
+    if which == "token_ids":
+        return model.check_ids(list(request.token_ids.ids), param="token_ids")
+    if which == "chat":
+        return model.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages],
+                                 param="chat")
+    raise BadRequest("the request has no prompt: set one of text, token_ids, chat", param="prompt")
+
+
+def response_from_chunk(rid: str, chunk: Chunk, totals: list[int]) -> pb.GenerateResponse:
+    resp = pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text, finished=chunk.finished)
+    if chunk.logprobs:
+        for token_id, entry in zip(chunk.token_ids, chunk.logprobs):
+            pairs = {int(k): float(v) for k, v in (entry.items() if isinstance(entry, dict) else entry)}
+            resp.logprobs.append(pb.TokenLogprob(
+                token_id=token_id, logprob=pairs.get(token_id, float("nan")),
+                top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in sorted(pairs.items(), key=lambda kv: -kv[1])]))
+    if chunk.finished:
+        resp.finish_reason = chunk.finish_reason or ""
+        resp.usage.prompt_tokens = chunk.num_prompt_tokens
+        resp.usage.completion_tokens = totals[0]
+        resp.usage.cached_tokens = chunk.num_cached_tokens
+        if isinstance(chunk.stop_reason, str):
+            resp.stop_string = chunk.stop_reason
+        elif isinstance(chunk.stop_reason, int):
+            resp.stop_token_id = chunk.stop_reason
+    return resp
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, router: Router, model: ServedModel) -> None:
+        self.router = router
+        self.model = model
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        stream, ended_by = None, None
+        try:
+            self.model.check_model(request.model)
+            ids = prompt_from_proto(request, self.model)
+            params = sampling_from_proto(request.sampling)
+            stream = self.router.submit(ids, params, request.request_id or None)
+            completion_tokens = [0]
+            async for chunk in stream:
+                completion_tokens[0] += len(chunk.token_ids)
+                yield response_from_chunk(stream.request_id, chunk, completion_tokens)
+        except RouterError as exc:
+            ended_by = exc
+            if isinstance(exc, Overloaded):
+                context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
+            await context.abort(exc.grpc_code, exc.message)
+        except BaseException as exc:  # cancelled by the client (or a bug): recorded, re-raised
+            ended_by = exc
+            raise
+        finally:
+            if stream is not None:
+                stream.close()
+            metrics.REQUESTS.labels("grpc", metrics.outcome_of(ended_by)).inc()
+
+
+async def start_grpc(router: Router, model: ServedModel, host: str, port: int
+                     ) -> tuple[grpc.aio.Server, int, HealthServicer]:
+    """Build, bind and start the gRPC server; returns it, its port and the health servicer."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(router, model), server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise ValueError(f"cannot bind the gRPC port {host}:{port}")
+    await server.start()
+    return server, bound, health
+
+
+async def set_health(health: HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE):
+        await health.set(name, status)

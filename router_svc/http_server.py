@@ -1,0 +1,181 @@
+"""A small HTTP/1.1 server on asyncio streams (the standard library only): keep-alive, Content-Length
+request bodies, JSON responses, and chunked streaming responses for server-sent events.
+
+1. A connection reads one request head (bounded: MAX_HEAD_BYTES) and its body (bounded: max_body).
+2. The app coroutine `app(request, response)` runs as a task while a watcher checks the socket: a
+   client that disconnects cancels the task, so the app's `finally:` aborts the generation.
+3. The app answers with `response.json(...)`, `response.send(...)`, or `start_stream()` /
+   `write()` / `end_stream()`; an app that raised before answering gets a 500.
+4. Past `max_connections` open connections a new one is answered 503 and closed: connections,
+   like requests, must not grow memory without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+MAX_HEAD_BYTES = 64 * 1024
+DISCONNECT_POLL_S = 0.1
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
+            413: "Payload Too Large", 429: "Too Many Requests", 431: "Request Header Fields Too Large",
+            500: "Internal Server Error", 503: "Service Unavailable"}
+
+
+@dataclass(slots=True)
+class Request:
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body.decode("utf-8")) if self.body else None
+
+
+@dataclass(slots=True)
+class Response:
+    writer: asyncio.StreamWriter
+    keep_alive: bool
+    started: bool = False
+    streaming: bool = False
+    extra_headers: dict[str, str] = field(default_factory=dict)
+
+    async def send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+        head = self._head(status, {"Content-Type": content_type, "Content-Length": str(len(body)), **(headers or {})})
+        self.started = True
+        self.writer.write(head + body)
+        await self.writer.drain()
+
+    async def json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
+        await self.send(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json", headers)
+
+    async def start_stream(self, content_type: str = "text/event-stream") -> None:
+        head = self._head(200, {"Content-Type": content_type, "Cache-Control": "no-cache",
+                                "Transfer-Encoding": "chunked"})
+        self.started = self.streaming = True
+        self.writer.write(head)
+        await self.writer.drain()
+
+    async def write(self, data: bytes) -> None:
+        if data:
+            self.writer.write(b"%x\r\n%b\r\n" % (len(data), data))
+            await self.writer.drain()  # raises ConnectionError once the client is gone
+
+    async def end_stream(self) -> None:
+        self.writer.write(b"0\r\n\r\n")
+        await self.writer.drain()
+
+    def _head(self, status: int, headers: dict[str, str]) -> bytes:
+        headers = {**headers, **self.extra_headers, "Connection": "keep-alive" if self.keep_alive else "close"}
+        lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}"] + [f"{k}: {v}" for k, v in headers.items()]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+App = Callable[[Request, Response], Awaitable[None]]
+
+
+class HttpServer:
+    def __init__(self, app: App, max_body: int = 16 * 2**20, max_connections: int = 1024) -> None:
+        self.app = app
+        self.max_body = max_body
+        self.max_connections = max_connections
+        self.connections = 0
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        self.server = await asyncio.start_server(self._connection, host, port, limit=MAX_HEAD_BYTES)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            if self.connections > self.max_connections:
+                await _error(Response(writer, False), 503, "too many open connections")
+                return
+            while await self._one_request(reader, writer):
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.connections -= 1
+            writer.close()
+
+    async def _one_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Serve one request; returns whether the connection stays open."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return False  # client closed between requests
+        except asyncio.LimitOverrunError:
+            await _error(Response(writer, False), 431, "request head too large")
+            return False
+        try:
+            request_line, *header_lines = head.decode("latin-1").split("\r\n")
+            method, target, version = request_line.split(" ", 2)
+            headers = {k.strip().lower(): v.strip() for k, v in (h.split(":", 1) for h in header_lines if h)}
+        except ValueError:
+            await _error(Response(writer, False), 400, "malformed HTTP request")
+            return False
+        conn = headers.get("connection", "").lower()
+        keep_alive = conn != "close" and (version == "HTTP/1.1" or conn == "keep-alive")
+        response = Response(writer, keep_alive)
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            await _error(Response(writer, False), 411, "chunked request bodies are not supported; send Content-Length")
+            return False
+        try:
+            length = int(headers.get("content-length", "0"))
+        except ValueError:
+            length = -1
+        if not 0 <= length <= self.max_body:
+            await _error(Response(writer, False), 413, f"request body must be at most {self.max_body} bytes")
+            return False
+        body = await reader.readexactly(length) if length else b""
+        path, _, query = target.partition("?")
+        await self._run_app(Request(method.upper(), path, query, headers, body), response, reader)
+        return keep_alive and response.started
+
+    async def _run_app(self, request: Request, response: Response, reader: asyncio.StreamReader) -> None:
+        task = asyncio.ensure_future(self.app(request, response))
+        watcher = asyncio.ensure_future(_wait_disconnect(reader))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if not task.done():  # the client went away: cancel, which aborts the generation
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ConnectionResetError("client disconnected")
+        exc = task.exception()
+        if exc is None:
+            return
+        if isinstance(exc, ConnectionError):
+            raise exc
+        log.error("request handler failed", path=request.path, error=repr(exc), exc_info=exc)
+        if not response.started:
+            await _error(response, 500, f"internal error: {type(exc).__name__}")
+        else:
+            raise ConnectionResetError("handler failed mid-response")
+
+
+async def _wait_disconnect(reader: asyncio.StreamReader) -> None:
+    # Polling the reader's EOF flag does not consume bytes (unlike a read), and costs nothing at
+    # 10 Hz per busy connection.
+    while not reader.at_eof() and reader.exception() is None:
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def _error(response: Response, status: int, message: str) -> None:
+    await response.json(status, {"error": {"message": message, "type": "invalid_request_error" if status < 500
+                                           else "internal_error", "param": None, "code": None}})

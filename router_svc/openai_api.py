@@ -1,0 +1,207 @@
+"""OpenAI request and response shapes: JSON bodies -> (token ids, SamplingParams), and Chunks ->
+completion / chat.completion objects and their streaming chunks. Pure functions, no I/O.
+
+Field mapping: max_tokens (chat: max_completion_tokens or max_tokens), temperature, top_p, n (1 only),
+stop (str or list), seed, logprobs (+ top_logprobs for chat), stream, stream_options.include_usage;
+tandem extras: top_k, min_p, ignore_eos, stop_token_ids. Parameters tandem does not implement are
+accepted only at their neutral value, otherwise a 400 that names them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from router_svc.core import Chunk
+from router_svc.errors import BadRequest
+from router_svc.prompts import ServedModel
+from tandem.sampling_params import SamplingParams
+
+SAMPLING_NAMES = frozenset(SamplingParams.__dataclass_fields__)
+# Parameter -> the values that mean "not used" (anything else is refused, not silently ignored).
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+_EXTRAS = ("top_k", "min_p", "ignore_eos", "stop_token_ids")
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+def parse_completion(body: Any, model: ServedModel) -> ParsedRequest:
+    body = _common_checks(body, model)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = model.encode_text(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        ids = model.check_ids(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1:
+        raise BadRequest("only one prompt per request is supported (send several requests)", param="prompt")
+    else:
+        raise BadRequest("prompt must be a non-empty string or list of token ids", param="prompt")
+    lp = body.get("logprobs")
+    if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int)):
+        raise BadRequest("logprobs must be an integer (the number of top logprobs) for completions", param="logprobs")
+    params = _sampling(body, max_tokens=body.get("max_tokens"), default_max=16, logprobs=lp)
+    return ParsedRequest(ids, params, _stream(body), _include_usage(body), chat=False)
+
+
+def parse_chat(body: Any, model: ServedModel) -> ParsedRequest:
+    body = _common_checks(body, model)
+    ids = model.encode_chat(body.get("messages"))
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if lp not in (None, True, False):
+        raise BadRequest("logprobs must be a boolean for chat completions", param="logprobs")
+    if top is not None and not lp:
+        raise BadRequest("top_logprobs requires logprobs: true", param="top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+        raise BadRequest("top_logprobs must be an integer in [0, 20]", param="top_logprobs")
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    # OpenAI's chat default is "as long as the context allows": D caps max_tokens at its max_model_len.
+    params = _sampling(body, max_tokens=max_tokens, default_max=model.max_model_len or 4096,
+                       logprobs=(top or 0) if lp else None)
+    return ParsedRequest(ids, params, _stream(body), _include_usage(body), chat=True)
+
+
+def _common_checks(body: Any, model: ServedModel) -> dict:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model.check_model(body.get("model"))
+    n = body.get("n")
+    if n not in (None, 1):
+        raise BadRequest(f"n must be 1 (one completion per request), got {n!r}", param="n")
+    for name, neutral in _NEUTRAL.items():
+        if name in body and body[name] not in neutral:
+            raise BadRequest(f"{name} is not supported by this server (leave it unset)", param=name)
+    return body
+
+
+def _sampling(body: dict, max_tokens: Any, default_max: int, logprobs: int | None) -> SamplingParams:
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, (str, list)):
+        raise BadRequest("stop must be a string or a list of strings", param="stop")
+    kw: dict[str, Any] = {"max_tokens": default_max if max_tokens is None else max_tokens,
+                          "stop": stop or [], "logprobs": logprobs}
+    for name in ("temperature", "top_p", "seed", *_EXTRAS):
+        if body.get(name) is not None:
+            kw[name] = body[name]
+    try:
+        return SamplingParams(**kw)
+    except (ValueError, TypeError) as exc:
+        raise BadRequest.from_exception(exc, SAMPLING_NAMES) from None
+
+
+def _stream(body: dict) -> bool:
+    stream = body.get("stream", False)
+    if stream not in (None, True, False):
+        raise BadRequest("stream must be a boolean", param="stream")
+    return bool(stream)
+
+
+def _include_usage(body: dict) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise BadRequest("stream_options must be an object", param="stream_options")
+    if not body.get("stream"):
+        raise BadRequest("stream_options is only allowed with stream: true", param="stream_options")
+    return bool(opts.get("include_usage"))
+
+
+# ---- responses ------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Totals:
+    """Accumulates a request's chunks (non-streaming answer, and usage for streaming)."""
+
+    text: str = ""
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        self.text += chunk.text
+        self.completion_tokens += len(chunk.token_ids)
+        self.prompt_tokens, self.cached_tokens = chunk.num_prompt_tokens, chunk.num_cached_tokens
+        if chunk.finished:
+            self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+def response_id(rid: str, chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + rid
+
+
+def _envelope(rid: str, chat: bool, model: str, stream: bool) -> dict:
+    kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
+    return {"id": response_id(rid, chat), "object": kind, "created": int(time.time()), "model": model}
+
+
+def final_response(rid: str, chat: bool, model: str, totals: Totals, logprobs: Any) -> dict:
+    choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": totals.finish_reason,
+                              "stop_reason": totals.stop_reason}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": totals.text}
+    else:
+        choice["text"] = totals.text
+    return {**_envelope(rid, chat, model, False), "choices": [choice], "usage": totals.usage()}
+
+
+def stream_chunk(rid: str, chat: bool, model: str, text: str | None, finish_reason: str | None,
+                 logprobs: Any = None, first: bool = False, include_usage: bool = False) -> dict:
+    choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+    if chat:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text is not None:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    out = {**_envelope(rid, chat, model, True), "choices": [choice]}
+    if include_usage:
+        out["usage"] = None  # OpenAI sends usage: null on every chunk but the last when asked for usage
+    return out
+
+
+def usage_chunk(rid: str, chat: bool, model: str, totals: Totals) -> dict:
+    return {**_envelope(rid, chat, model, True), "choices": [], "usage": totals.usage()}
+
+
+def format_logprobs(chunk: Chunk, model: ServedModel, chat: bool) -> Any:
+    """D's per-token logprobs ({token_id: logprob} per generated token, the chosen one included) in
+    OpenAI's shape; None when D sent none."""
+    if not chunk.logprobs:
+        return None
+    tok = model.tokenizer
+    rows = []
+    for token_id, entry in zip(chunk.token_ids, chunk.logprobs):
+        pairs = {int(k): float(v) for k, v in (entry.items() if isinstance(entry, dict) else entry)}
+        rows.append((token_id, pairs.get(token_id, float("nan")),
+                     sorted(pairs.items(), key=lambda kv: -kv[1])))
+    text = lambda t: tok.decode([t], skip_special_tokens=False)  # noqa: E731
+    if chat:
+        return {"content": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode()),
+                             "top_logprobs": [{"token": text(i), "logprob": v, "bytes": list(text(i).encode())}
+                                              for i, v in top]} for t, lp, top in rows]}
+    return {"tokens": [text(t) for t, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
+            "top_logprobs": [{text(i): v for i, v in top} for _, _, top in rows], "text_offset": []}

@@ -1,0 +1,142 @@
+"""The HTTP routes: OpenAI-compatible `/v1/completions`, `/v1/chat/completions` (JSON or SSE with
+`stream: true`), `/v1/models`, plus `/health` and `/metrics`.
+
+A generation request: parse (openai_api) -> `Router.submit` -> collect or stream its Chunks ->
+`Stream.close()` in `finally:`, which aborts the request on D if the client went away (the HTTP
+server cancels the handler when the socket closes) or anything failed. Errors before the first
+byte are OpenAI error objects with the matching status (400/404/429 + Retry-After/503); an error
+after streaming began is sent as a final SSE `data: {"error": ...}` event.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router_svc import metrics
+from router_svc.core import Router
+from router_svc.errors import BadRequest, Overloaded, RouterError
+from router_svc.http_server import Request, Response
+from router_svc.openai_api import (Totals, final_response, format_logprobs, parse_chat, parse_completion,
+                                   stream_chunk, usage_chunk)
+from router_svc.prompts import ServedModel
+from router_svc.registry import Registry
+
+
+class OpenAIApp:
+    def __init__(self, router: Router, registry: Registry, model: ServedModel) -> None:
+        self.router = router
+        self.registry = registry
+        self.model = model
+
+    async def __call__(self, request: Request, response: Response) -> None:
+        route = (request.method, request.path.rstrip("/") or "/")
+        if route == ("POST", "/v1/completions"):
+            await self.generate(request, response, chat=False)
+        elif route == ("POST", "/v1/chat/completions"):
+            await self.generate(request, response, chat=True)
+        elif route == ("GET", "/v1/models"):
+            await response.json(200, {"object": "list", "data": [self._model_card()]})
+        elif request.method == "GET" and request.path.startswith("/v1/models/"):
+            name = request.path[len("/v1/models/"):]
+            try:
+                self.model.check_model(name)
+            except RouterError as exc:
+                await response.json(exc.http_status, exc.openai_body())
+                return
+            await response.json(200, self._model_card())
+        elif route == ("GET", "/health"):
+            await self.health(response)
+        elif route == ("GET", "/metrics"):
+            await response.send(200, generate_latest(), CONTENT_TYPE_LATEST)
+        elif route[1] in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"):
+            await _fail(response, RouterError(f"method {request.method} is not allowed on {request.path}"), 405)
+        else:
+            await _fail(response, RouterError(f"no route {request.method} {request.path}"), 404)
+
+    def _model_card(self) -> dict:
+        return {"id": self.model.name, "object": "model", "created": self.model.created, "owned_by": "tandem",
+                "root": self.model.path, "max_model_len": self.model.max_model_len}
+
+    async def health(self, response: Response) -> None:
+        live = {role: len(self.registry.live(role)) for role in ("decode", "prefill")}
+        ok = live["decode"] > 0
+        await response.json(200 if ok else 503, {
+            "status": "ok" if ok else "no decode workers", "model": self.model.name, "live_workers": live,
+            **self.router.describe(), "workers": self.registry.describe()})
+
+    async def generate(self, request: Request, response: Response, chat: bool) -> None:
+        api = "chat" if chat else "completions"
+        stream, ended_by = None, None
+        try:
+            try:
+                body = request.json()
+            except (ValueError, UnicodeDecodeError):
+                raise BadRequest("the request body is not valid JSON") from None
+            parsed = (parse_chat if chat else parse_completion)(body, self.model)
+            stream = self.router.submit(parsed.token_ids, parsed.params, request.headers.get("x-request-id") or None)
+            if parsed.stream:
+                await self._stream(stream, response, chat, parsed.include_usage)
+            else:
+                await self._collect(stream, response, chat)
+        except RouterError as exc:
+            ended_by = exc
+            if not response.started:
+                await _fail(response, exc)
+            else:
+                await _sse(response, exc.openai_body())
+                await response.end_stream()
+        except BaseException as exc:  # cancelled (client gone) or a bug: recorded, then re-raised
+            ended_by = exc
+            raise
+        finally:
+            if stream is not None:
+                stream.close()
+            metrics.REQUESTS.labels(api, metrics.outcome_of(ended_by)).inc()
+
+    async def _collect(self, stream: Any, response: Response, chat: bool) -> None:
+        totals, logprobs = Totals(), []
+        async for chunk in stream:
+            totals.add(chunk)
+            lp = format_logprobs(chunk, self.model, chat)
+            if lp is not None:
+                logprobs.append(lp)
+        await response.json(200, final_response(stream.request_id, chat, self.model.name, totals,
+                                                _merge_logprobs(logprobs, chat)))
+
+    async def _stream(self, stream: Any, response: Response, chat: bool, include_usage: bool) -> None:
+        rid, name, totals = stream.request_id, self.model.name, Totals()
+        await response.start_stream()
+        if chat:  # OpenAI's first chat chunk announces the role
+            await _sse(response, stream_chunk(rid, True, name, "", None, first=True, include_usage=include_usage))
+        async for chunk in stream:
+            totals.add(chunk)
+            lp = format_logprobs(chunk, self.model, chat)
+            if chunk.text or lp is not None:
+                await _sse(response, stream_chunk(rid, chat, name, chunk.text, None, lp, include_usage=include_usage))
+            if chunk.finished:
+                await _sse(response, stream_chunk(rid, chat, name, None, chunk.finish_reason,
+                                                  include_usage=include_usage))
+        if include_usage:
+            await _sse(response, usage_chunk(rid, chat, name, totals))
+        await response.write(b"data: [DONE]\n\n")
+        await response.end_stream()
+
+
+def _merge_logprobs(parts: list[Any], chat: bool) -> Any:
+    if not parts:
+        return None
+    if chat:
+        return {"content": [row for p in parts for row in p["content"]]}
+    return {key: [v for p in parts for v in p[key]] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+async def _sse(response: Response, obj: Any) -> None:
+    await response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+
+async def _fail(response: Response, exc: RouterError, status: int | None = None) -> None:
+    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Overloaded) else None
+    await response.json(status or exc.http_status, exc.openai_body(), headers)

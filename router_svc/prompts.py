@@ -1,0 +1,87 @@
+"""The served model as the front ends see it: its name, and how a prompt becomes token ids
+(text through the tokenizer, chat messages through the model's chat template, ids as given)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jinja2.ext  # noqa: F401  tandem.tokenizer uses jinja2.ext.loopcontrols without importing the submodule
+
+from router_svc.errors import BadRequest, ModelNotFound
+from tandem.tokenizer import Tokenizer
+
+
+class ServedModel:
+    def __init__(self, path: str, name: str | None = None) -> None:
+        self.path = path
+        self.name = name or os.path.basename(os.path.normpath(path))
+        self.tokenizer = Tokenizer(path)
+        self.created = int(os.path.getmtime(path))
+        self.max_model_len = _max_model_len(path)
+
+    def check_model(self, requested: Any) -> None:
+        """OpenAI requires `model`; we accept it missing/empty (single-model server) but not wrong."""
+        if requested in (None, ""):
+            return
+        if not isinstance(requested, str):
+            raise BadRequest(f"model must be a string, got {type(requested).__name__}", param="model")
+        if requested != self.name and requested != self.path:
+            raise ModelNotFound(f"the model {requested!r} does not exist; this server serves {self.name!r}",
+                                param="model")
+
+    def encode_text(self, text: Any, param: str = "prompt") -> list[int]:
+        if not isinstance(text, str):
+            raise BadRequest(f"{param} must be a string, got {type(text).__name__}", param=param)
+        if not text:
+            raise BadRequest(f"{param} is empty", param=param)
+        return self.tokenizer.encode(text)
+
+    def check_ids(self, ids: Any, param: str = "prompt") -> list[int]:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise BadRequest(f"{param} must be a list of token ids (integers)", param=param)
+        if not ids:
+            raise BadRequest(f"{param} is empty", param=param)
+        bad = [t for t in ids if t < 0]
+        if bad:
+            raise BadRequest(f"{param} has negative token ids {bad[:5]}", param=param)
+        return list(ids)
+
+    def encode_chat(self, messages: Any, param: str = "messages") -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest(f"{param} must be a non-empty list of {{'role', 'content'}} objects", param=param)
+        flat = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise BadRequest(f"{param}[{i}] must be an object with a string 'role'", param=param)
+            flat.append({"role": m["role"], "content": _content_text(m.get("content"), f"{param}[{i}].content")})
+        try:
+            return self.tokenizer.encode_chat(flat)
+        except ValueError as exc:
+            raise BadRequest(str(exc), param=param) from None
+
+
+def _content_text(content: Any, where: str) -> str:
+    """OpenAI content is a string or a list of parts; only text parts are supported."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequest(f"{where}: only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise BadRequest(f"{where} must be a string or a list of text parts", param="messages")
+
+
+def _max_model_len(path: str) -> int | None:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            value = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) else None

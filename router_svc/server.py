@@ -1,0 +1,162 @@
+"""RouterConfig and `serve()`: everything the router runs, on one asyncio loop (no locks needed).
+
+1. Load the served model's tokenizer and chat template (no weights: the router never runs the model).
+2. Bind the registration socket (`listen`), the HTTP server and the gRPC server; add static workers.
+3. Background tasks: the registration loop (register/heartbeat), and housekeeping every
+   `tick_s` — expire silent workers (their requests are retried or failed by the core), poll
+   static workers with `stats`, and keep the gRPC health status in step with the live workers.
+4. Print the endpoints, then serve until cancelled (SIGINT/SIGTERM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import structlog
+import zmq.asyncio
+
+from router_svc.core import Router
+from router_svc.grpc_api import set_health, start_grpc
+from router_svc.http_server import HttpServer
+from router_svc.links import ListenSocket, WorkerLinks
+from router_svc.openai_server import OpenAIApp
+from router_svc.prompts import ServedModel
+from router_svc.registry import Registry
+from router_svc.routing import resolve_policy
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    model: str
+    served_model_name: str | None = None
+    host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    listen: str = "tcp://0.0.0.0:5557"
+    decode: list[str] = field(default_factory=list)
+    prefill: list[str] = field(default_factory=list)
+    decode_policy: str = "prefix_affinity"
+    prefill_policy: str = "prefix_affinity"
+    max_inflight: int = 256
+    static_timeout_s: float = 3.0  # static workers: silent this long = down
+    heartbeat_misses: float = 3.0  # registered workers: this many missed intervals = removed
+    block_size: int = 16
+    affinity_blocks: int = 4
+    tick_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("max_inflight", "block_size", "affinity_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("static_timeout_s", "heartbeat_misses", "tick_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+class RouterService:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.model = ServedModel(config.model, config.served_model_name)
+        self.registry = Registry(config.static_timeout_s, config.heartbeat_misses)
+        self.ctx = zmq.asyncio.Context()
+        self.links: WorkerLinks | None = None
+        self.router: Router | None = None
+        self.endpoints: dict[str, str] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> dict[str, str]:
+        cfg = self.config
+        self.links = WorkerLinks(self.ctx, self._on_worker_message)
+        self.router = Router(self.registry, self.links.send, resolve_policy(cfg.decode_policy),
+                             resolve_policy(cfg.prefill_policy), cfg.max_inflight, cfg.block_size, cfg.affinity_blocks)
+        for role, addresses in (("decode", cfg.decode), ("prefill", cfg.prefill)):
+            for address in addresses:
+                self.registry.add_static(role, address)
+        self.listen = ListenSocket(self.ctx, cfg.listen)
+        self.http = HttpServer(OpenAIApp(self.router, self.registry, self.model), max_connections=4 * cfg.max_inflight + 64)
+        http_port = await self.http.start(cfg.host, cfg.http_port)
+        self.grpc, grpc_port, self.health = await start_grpc(self.router, self.model, cfg.host, cfg.grpc_port)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self.listen.serve(self._on_registration)), loop.create_task(self._housekeeping())]
+        shown = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host
+        self.endpoints = {"http": f"http://{shown}:{http_port}", "grpc": f"{shown}:{grpc_port}",
+                          "listen": self.listen.address}
+        return self.endpoints
+
+    def _on_worker_message(self, address: str, msg: dict) -> None:
+        assert self.router is not None
+        self.router.on_worker_message(address, msg)
+
+    def _on_registration(self, msg: dict) -> str | None:
+        error, replaced = self.registry.handle(msg)
+        if replaced is not None:
+            self._lost(replaced)
+        return error
+
+    def _lost(self, worker) -> None:
+        assert self.router is not None and self.links is not None
+        self.router.on_worker_lost(worker)
+        if not worker.static:
+            self.links.drop(worker.address)
+
+    async def _housekeeping(self) -> None:
+        assert self.links is not None
+        serving = None
+        poll_every = max(1, round(self.config.static_timeout_s / self.config.heartbeat_misses / self.config.tick_s))
+        tick = 0
+        while True:
+            for worker in self.registry.expire():
+                self._lost(worker)
+            if tick % poll_every == 0:
+                for worker in self.registry.statics():
+                    self.links.try_send(worker.address, "stats")
+            now_serving = bool(self.registry.live("decode"))
+            if now_serving != serving:
+                serving = now_serving
+                await set_health(self.health, serving)
+            tick += 1
+            await asyncio.sleep(self.config.tick_s)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self.http.close()
+        await self.grpc.stop(grace=0.5)
+        if self.links is not None:
+            self.links.close()
+        self.listen.close()
+        self.ctx.term()
+
+
+def print_endpoints(model: ServedModel, endpoints: dict[str, str], file=sys.stdout) -> None:
+    print(f"tandem router: serving model {model.name!r}", file=file)
+    print(f"  http    {endpoints['http']}  (OpenAI /v1/completions /v1/chat/completions /v1/models; /health /metrics)",
+          file=file)
+    print(f"  grpc    {endpoints['grpc']}  (tandem.v1.Generation, grpc.health.v1.Health, reflection)", file=file)
+    print(f"  listen  {endpoints['listen']}  (workers register here)", file=file, flush=True)
+
+
+async def serve(config: RouterConfig, on_ready: Callable[[RouterService], None] | None = None) -> None:
+    service = RouterService(config)
+    await service.start()
+    print_endpoints(service.model, service.endpoints)
+    if on_ready is not None:
+        on_ready(service)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread / platform without signals
+            pass
+    try:
+        await stop.wait()
+    finally:
+        log.info("router stopping")
+        await service.stop()

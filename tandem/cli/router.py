@@ -1,0 +1,59 @@
+"""`tandem router`: the front door — OpenAI-compatible HTTP + gRPC, routing requests to decode
+workers (which pull prompts' KV from prefill workers). Workers register themselves with
+`--listen`, or are given statically with `--decode` / `--prefill`."""
+
+from __future__ import annotations
+
+import argparse
+
+from tandem.cli.engine_args import add_model_arg, resolve_model
+
+_POLICY_HELP = "round_robin | least_loaded | prefix_affinity, or a plugin's (see `tandem plugins`)"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="serve the OpenAI HTTP and gRPC APIs, routing to prefill/decode workers",
+                       description="Run the router. It loads only the tokenizer and chat template of --model "
+                                   "(the workers hold the weights) and prints its endpoints when ready.")
+    add_model_arg(p)
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients use (default: the model directory's name)")
+    p.add_argument("--host", default="0.0.0.0", help="interface for the HTTP and gRPC servers")
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (0 = any free port)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0 = any free port)")
+    p.add_argument("--listen", default="tcp://0.0.0.0:5557",
+                   help="ZMQ address workers register and heartbeat to (tcp://host:0 = any free port)")
+    p.add_argument("--decode", action="append", default=[], metavar="ADDR",
+                   help="static decode worker control address (repeatable), e.g. tcp://10.0.0.2:6000")
+    p.add_argument("--prefill", action="append", default=[], metavar="ADDR",
+                   help="static prefill worker control address (repeatable)")
+    p.add_argument("--decode-policy", default="prefix_affinity", help=_POLICY_HELP)
+    p.add_argument("--prefill-policy", default="prefix_affinity", help=_POLICY_HELP)
+    p.add_argument("--max-inflight", type=int, default=256,
+                   help="admission limit: requests in flight beyond this get HTTP 429 / RESOURCE_EXHAUSTED")
+    p.add_argument("--heartbeat-misses", type=float, default=3.0,
+                   help="a registered worker silent for this many of its heartbeat intervals is removed")
+    p.add_argument("--static-timeout", type=float, default=3.0,
+                   help="seconds a static worker may go without answering the router's stats poll")
+    p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (for prefix affinity)")
+    p.add_argument("--affinity-blocks", type=int, default=4,
+                   help="prefix_affinity keys on this many leading blocks of the prompt")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from router_svc.routing import resolve_policy
+    from router_svc.server import RouterConfig, serve
+
+    for policy in (args.decode_policy, args.prefill_policy):
+        resolve_policy(policy)  # an unknown name fails here, before any port is bound
+    config = RouterConfig(model=resolve_model(args.model), served_model_name=args.served_model_name, host=args.host,
+                          http_port=args.http_port, grpc_port=args.grpc_port, listen=args.listen,
+                          decode=args.decode, prefill=args.prefill, decode_policy=args.decode_policy,
+                          prefill_policy=args.prefill_policy, max_inflight=args.max_inflight,
+                          static_timeout_s=args.static_timeout, heartbeat_misses=args.heartbeat_misses,
+                          block_size=args.block_size, affinity_blocks=args.affinity_blocks)
+    asyncio.run(serve(config))
+    return 0
