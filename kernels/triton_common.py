@@ -170,6 +170,13 @@ def check_cache(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> bool:
         )
     if kv_cache.dtype not in SUPPORTED_CACHE_DTYPES:
         raise TypeError(f"kv_cache dtype {kv_cache.dtype} is not supported; use one of {SUPPORTED_CACHE_DTYPES}")
+    if kv_cache.dtype == torch.float8_e4m3fn and kv_cache.is_cuda:
+        major, minor = torch.cuda.get_device_capability(kv_cache.device)
+        if (major, minor) < (8, 9):
+            raise ValueError(
+                f"float8_e4m3fn KV caches need compute capability >= 8.9 for Triton's fp8 conversions; this GPU "
+                f"is {major}.{minor}. Use an int8 KV cache (or the reference ops) here."
+            )
     quant = kv_cache.dtype in QUANT_MAX
     if quant:
         if kv_scale is None:

@@ -322,30 +322,41 @@ _ENGINE_SCRIPT = textwrap.dedent("""
     import json, sys
     from tandem.llm import LLM
     from tandem.sampling_params import SamplingParams
-    llm = LLM(model=sys.argv[1], max_num_batched_tokens=24, block_size=16, num_kv_blocks=64)
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [[0, 5, 9, 13, 200, 7, 7, 31, 64, 3, 90, 11, 12, 5, 6, 300, 18, 19, 2], [0, 42, 17], [0, 8] * 9]
-    outs = llm.generate(prompts, greedy)
-    outs += llm.generate([prompts[0] + [77, 78]], greedy)  # its first block is a prefix-cache hit
-    print(json.dumps([o.outputs[0].token_ids for o in outs]))
+    results = []
+    for options in json.loads(sys.argv[2]):
+        llm = LLM(model=sys.argv[1], max_num_batched_tokens=24, block_size=16, num_kv_blocks=64, **options)
+        outs = llm.generate(prompts, greedy)
+        outs += llm.generate([prompts[0] + [77, 78]], greedy)  # its first block is a prefix-cache hit
+        results.append([o.outputs[0].token_ids for o in outs])
+    print(json.dumps(results))
 """)
+ENGINE_VARIANTS = [{}, {"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "fp8_e4m3"},
+                   {"speculator": "ngram", "num_speculative_tokens": 3}]
 
 
-def _engine_run(model_dir: str, kernels: str) -> list[list[int]]:
+def _engine_run(model_dir: str, kernels: str, variants: list[dict]) -> list[list[list[int]]]:
+    """Every variant in one subprocess per kernel choice (the env var must apply before imports)."""
     env = {**os.environ, "TANDEM_KERNELS": kernels, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-c", _ENGINE_SCRIPT, model_dir], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", _ENGINE_SCRIPT, model_dir, json.dumps(variants)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_engine_greedy_reference_equals_triton(tmp_path):
     """A tiny random Llama (2 layers, hidden 64, GQA 2:1) generates the same greedy tokens whichever
-    kernels run it: chunked prefill (budget 24 < the prompts' total), a prefix-cache hit, decode."""
+    kernels run it: chunked prefill (budget 24 < the prompts' total), a prefix-cache hit and decode,
+    with fp32 / int8 / fp8 caches and, where the engine has one, an n-gram speculator (Q > 1 queries)."""
+    from tandem.config import EngineConfig
     from tests.tiny_models import make_checkpoint
 
     model_dir = make_checkpoint(str(tmp_path / "tiny-llama"), "llama")
-    expected = _engine_run(model_dir, "reference")
-    assert [len(t) for t in expected] == [6, 6, 6, 6]
-    assert _engine_run(model_dir, "triton") == expected
+    variants = [v for v in ENGINE_VARIANTS if set(v) <= set(EngineConfig.option_names())]
+    expected = _engine_run(model_dir, "reference", variants)
+    assert all([len(t) for t in run] == [6, 6, 6, 6] for run in expected)
+    got = _engine_run(model_dir, "triton", variants)
+    for variant, want, have in zip(variants, expected, got):
+        assert have == want, f"engine options {variant}: triton {have} != reference {want}"
