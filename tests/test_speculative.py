@@ -190,6 +190,20 @@ def test_preemption_stop_tokens_and_logprobs_under_speculation(llama):
         check_clean(llm)
 
 
+def test_tight_token_budget_drops_speculation_without_changing_output(llama):
+    """A budget of 8 tokens cannot verify every request's 1 + 4 tokens: some run without their
+    proposal or are skipped for a step; output stays the non-speculative one."""
+    path, draft = llama
+    prompts = repeating_prompts(seed=17)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(path, num_kv_blocks=128, max_model_len=256).generate(prompts, params)]
+    llm = LLM(path, num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=8, speculator="draft_model",
+              draft_model=draft)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    assert llm.engine.speculator_stats()["num_verifications"] > 0
+    check_clean(llm)
+
+
 def test_sampling_with_speculation_is_reproducible_per_seed(llama):
     path, draft = llama
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30, seed=s, ignore_eos=True) for s in (1, 2)]

@@ -165,6 +165,11 @@ class LLMEngine:
         """Ask the speculator for proposals for the decoding requests; they ride along in this step's
         schedule (num_new_tokens = 1 + k) and the runner verifies them."""
         running = self.scheduler.running
+        # Proposals live one step: a request the token budget skipped must not carry old tokens
+        # whose draft distributions are gone (they would be verified as point masses).
+        self.runner.draft_probs = {}
+        for r in running:
+            r.spec_token_ids = []
         active = len(running) <= self.config.spec_max_batch
         if active != self.spec_active:
             self.spec_active, self.spec_switches = active, self.spec_switches + 1
