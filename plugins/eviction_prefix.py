@@ -11,6 +11,11 @@ which still occupy memory but can never be hit again. Among leaves:
 2. **least recently used first**, where a use is a prefix hit or the fill (not the free, as in
    `lru`): the order SGLang's radix cache evicts in.
 
+Why not plain `lru` + "leaves first": requests free tail first and a hit on a block is a hit on its
+whole chain, so a parent is never freed before its free children — `lru`'s oldest candidate is
+always a leaf already. What this policy adds is rule 1: recently finished one-off suffixes can no
+longer push out an older system prompt that many users share.
+
 Parent links are hints from the block pool; a block reused outside the policy can leave a stale link
 to it. That only costs ordering quality: if no leaf can be found, the least recently used candidate
 goes, so `pop_victim` always succeeds.
