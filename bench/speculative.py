@@ -1,0 +1,150 @@
+"""Speculative decoding: decode tok/s with and without each speculator at batch 1 and 16, on a
+workload whose continuation repeats prompt text, plus the draft's greedy acceptance rate vs the target.
+
+    python -m bench.speculative [--model PATH --draft-model PATH] [--k 4] [--new-tokens 96]
+
+Models: tandem's shipped pair (`tandem.default_model`, tandem/assets/tiny-target + tiny-draft) unless
+--model / --draft-model are given. Prompts are snippets of held-out standard-library files (the
+files tools/train_tiny.py holds out: sorted index % 50 == 0).
+
+- repeat workload: a snippet, a blank line, then the snippet's first part again; a model that
+  copies continues with text it has seen, which is what prompt lookup (ngram) can guess.
+- decode tok/s counts only tokens produced after every request of the batch has its first token
+  (prefill excluded). At batch 16 speculation is forced on (spec_max_batch=16); with the default
+  spec_max_batch=8 the engine switches it off there and runs at the baseline speed.
+- mean accepted length = draft tokens kept per verifying step (tokens per step is that + 1).
+All greedy, so every configuration must produce the same tokens; the bench checks that.
+
+--cpu-clock times with the main thread's CPU clock and one torch thread: on a machine shared with
+other jobs the wall clock mostly measures them, the thread's CPU time does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def heldout_snippets(n: int, chars: int) -> list[str]:
+    """Up to n snippets of ~chars characters from the files tools/train_tiny.py holds out."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idle_test", "__pycache__"}  # as tools/train_tiny.py
+    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py")
+                   if not skip & set(p.relative_to(root).parts[:-1]))
+    out = []
+    for rel in files[::50]:
+        try:
+            text = (root / rel).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        body = text[len(text) // 3:]  # past the license header / imports
+        start = body.find("\ndef ")
+        if start >= 0 and len(body) - start > chars:
+            out.append(body[start + 1:start + 1 + chars])
+        if len(out) == n:
+            break
+    return out
+
+
+def repeat_prompts(tokenizer, n: int) -> list[list[int]]:
+    prompts = []
+    for s in heldout_snippets(n, 600):
+        ids = tokenizer.encode(s + "\n\n" + s[: len(s) // 3])
+        prompts.append(ids[:320])  # bounded, so every configuration sees the same prompt
+    return prompts
+
+
+CLOCK = time.perf_counter
+
+
+def decode_run(model: str, prompts: list[list[int]], new_tokens: int, **options) -> tuple[float, list, dict]:
+    """Decode tok/s of one batch (after every request's first token), its outputs and spec stats."""
+    from tandem.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=model, max_model_len=1024, kv_cache_memory_gb=0.5,
+                                    max_num_batched_tokens=8192, **options))
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    tokens = {i: [] for i in ids}
+    while not all(tokens.values()):  # prefill (not timed)
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    counted, t = 0, CLOCK()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            counted += len(out.new_token_ids)
+    dt = CLOCK() - t
+    engine.check_invariants()
+    return counted / dt, [tokens[i] for i in ids], engine.speculator_stats()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="target checkpoint (default: tandem's shipped tiny-target)")
+    ap.add_argument("--draft-model", default=None, help="draft checkpoint (default: tandem's shipped tiny-draft)")
+    ap.add_argument("--k", type=int, default=4, help="speculated tokens per step")
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--cpu-clock", action="store_true", help="time with thread CPU time, 1 torch thread")
+    args = ap.parse_args()
+    if args.cpu_clock:
+        global CLOCK
+        CLOCK = time.thread_time
+        torch.set_num_threads(1)
+    model, draft = args.model, args.draft_model
+    if model is None or draft is None:
+        from tandem import default_model
+
+        try:
+            model = model or default_model.default_model_path()
+            draft = draft or default_model.default_draft_path()
+        except (FileNotFoundError, AttributeError) as exc:
+            raise SystemExit(f"no shipped model pair ({exc}); pass --model PATH --draft-model PATH")
+
+    from tandem.tokenizer import Tokenizer
+
+    tok = Tokenizer(model)
+    pool = repeat_prompts(tok, 16)
+    clock = "thread CPU time" if args.cpu_clock else "wall clock"
+    print(f"target={model}\ndraft={draft}\nthreads={torch.get_num_threads()} ({clock}) k={args.k} "
+          f"new_tokens={args.new_tokens} prompts={len(pool)} (mean {sum(map(len, pool)) / len(pool):.0f} tokens)")
+    configs = {"none": {}, "ngram": dict(speculator="ngram"),
+               "draft_model": dict(speculator="draft_model", draft_model=draft)}
+    print(f"{'batch':>5} {'speculator':>12} {'decode tok/s':>13} {'speedup':>8} {'accept len':>11} {'accept rate':>12}")
+    for b in (int(x) for x in args.batches.split(",")):
+        prompts = [pool[i % len(pool)] for i in range(b)]
+        base_tps, base_out = None, None
+        for name, opts in configs.items():
+            spec = dict(opts, num_speculative_tokens=args.k, spec_max_batch=max(b, 8)) if opts else {}
+            tps, outs, stats = decode_run(model, prompts, args.new_tokens, **spec)
+            if base_out is None:
+                base_tps, base_out = tps, outs
+            elif outs != base_out:
+                raise SystemExit(f"greedy output changed with speculator {name!r}: verification is broken")
+            acc = f"{stats['mean_accepted_length']:.2f}" if stats else "-"
+            rate = f"{stats['acceptance_rate']:.1%}" if stats else "-"
+            print(f"{b:>5} {name:>12} {tps:>13.1f} {tps / base_tps:>7.2f}x {acc:>11} {rate:>12}")
+
+    # The draft as a predictor of the target: greedy, K = 4, plain held-out text (no repetition).
+    plain = [tok.encode(s)[:256] for s in heldout_snippets(8, 1200)]
+    _, _, stats = decode_run(model, plain, args.new_tokens, speculator="draft_model", draft_model=draft,
+                             num_speculative_tokens=4)
+    per_pos = [a / d if d else 0.0 for a, d in zip(stats["accepted_per_position"], stats["drafted_per_position"])]
+    print(f"draft vs target, greedy, K=4, {len(plain)} held-out prompts: acceptance rate "
+          f"{stats['acceptance_rate']:.1%}, mean accepted length {stats['mean_accepted_length']:.2f}, "
+          f"per position {', '.join(f'{p:.0%}' for p in per_pos)}")
+
+
+if __name__ == "__main__":
+    main()
