@@ -8,8 +8,8 @@
    returns it, so the router can retry or fail its requests. A worker that re-registers later is
    simply a new entry.
 4. Static workers (`--decode ADDR`, `--prefill ADDR`) never register: the router polls them with
-   `stats`, and a `stats_reply` is their heartbeat. A silent static worker is marked down, not
-   forgotten, and comes back with its next reply.
+   `stats`, and a `stats_reply` is their heartbeat. A static worker is down until its first reply;
+   a silent one is marked down again, not forgotten, and comes back with its next reply.
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ class Registry:
 
     # ---- membership ----------------------------------------------------------------------------
     def add_static(self, role: str, address: str) -> Worker:
+        # Down until its first stats_reply: a request must not wait on a worker never heard from.
         worker = Worker(worker_id=address, role=role, address=address, static=True,
-                        interval_s=self.static_timeout_s / self.misses)
+                        interval_s=self.static_timeout_s / self.misses, alive=False)
         self.workers[worker.worker_id] = worker
         self._update_gauges()
         return worker
@@ -102,7 +103,7 @@ class Registry:
                 worker.stats, worker.last_seen = stats, time.monotonic()
                 if worker.static and not worker.alive:
                     worker.alive = True
-                    log.info("static worker is back", worker_id=worker.worker_id, role=worker.role)
+                    log.info("static worker is up", worker_id=worker.worker_id, role=worker.role)
                     self._update_gauges()
 
     def expire(self, now: float | None = None) -> list[Worker]:

@@ -66,8 +66,18 @@ class Registrar:
             if self._registered:
                 log.info("registering with router", router=self.router_address, worker_id=self.worker_id,
                          role=self.role, address=self.control_address)
-        if self._send("heartbeat", worker_id=self.worker_id, stats=stats_fn()):
+        if self._send("heartbeat", worker_id=self.worker_id, stats=self._stats(stats_fn)):
             self.heartbeats_sent += 1
+
+    def _stats(self, stats_fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        # The heartbeat says "alive"; a bug in the stats must not stop it, let alone the worker loop.
+        try:
+            stats = stats_fn()
+            messages.encode("heartbeat", worker_id=self.worker_id, stats=stats)  # msgpack-able?
+            return stats
+        except Exception as exc:
+            log.warning("worker stats failed; heartbeat sent without them", error=repr(exc))
+            return {}
 
     def _send(self, msg_type: str, **fields: Any) -> bool:
         try:

@@ -1,0 +1,116 @@
+"""Helpers for tests that run tandem services as real processes on loopback: start/stop a process
+with its output in a log file, wait for a line, and small HTTP / ZMQ / gRPC client calls."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import msgpack
+import zmq
+
+ROOT = Path(__file__).resolve().parents[1]
+# PYTHONPATH: the services run from the source tree even where the editable install predates them.
+ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+       "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class Proc:
+    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
+        self.name, self.log = name, log_dir / f"{name}.log"
+        self.popen = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL)
+
+    def wait_for(self, pattern: str, timeout: float = 90) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(pattern, self.log.read_text())
+            if m:
+                return m
+            if self.popen.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{self.name}: no {pattern!r} in its output:\n{self.log.read_text()[-3000:]}")
+
+    def terminate(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 10) -> None:
+        self.terminate()
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
+
+def stop_all(procs: list[Proc]) -> None:
+    for p in procs:  # signal them all first: they shut down in parallel
+        p.terminate()
+    for p in procs:
+        p.stop()
+
+
+def start_router(name: str, ckpt: str, log_dir: Path, *flags: str) -> Proc:
+    return Proc(name, [sys.executable, "-m", "tandem.cli", "router", "--model", ckpt, "--host", "127.0.0.1",
+                       "--http-port", "0", "--grpc-port", "0", "--listen", "tcp://127.0.0.1:0", *flags], log_dir)
+
+
+def router_endpoints(proc: Proc) -> dict[str, str]:
+    return {k: proc.wait_for(rf"{k}\s+(\S+)").group(1) for k in ("http", "grpc", "listen")}
+
+
+def get_json(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def post(url: str, body: dict) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def wait_workers(http: str, decode: int, timeout: float = 90) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _, health = get_json(f"{http}/health")
+        if health["live_workers"]["decode"] == decode:
+            return health
+        time.sleep(0.1)
+    raise AssertionError(f"router never saw {decode} decode workers: {health}")
+
+
+def worker_stats(address: str) -> dict:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        sock.send(msgpack.packb({"type": "stats", "v": 1}))
+        assert sock.poll(5000), f"no stats_reply from {address}"
+        return msgpack.unpackb(sock.recv())["stats"]
+    finally:
+        sock.close()
+
+
+def grpc_stub(target: str):
+    from tandem.protocol import generation_pb2_grpc
+
+    return generation_pb2_grpc.GenerationStub(grpc.insecure_channel(target))
