@@ -138,11 +138,26 @@ TORCH_TO_TL = {
 
 # triton.jit returns an InterpretedFunction when TRITON_INTERPRET=1 was set before triton's import.
 INTERPRETED = type(round_half_even).__name__ == "InterpretedFunction"
+# Set only by kernels/triton_compile_check.py: plan, type and compile kernels as for a GPU while the
+# tensors stay on CPU (launches are replaced by ahead-of-time compilation there).
+COMPILE_ONLY_SM_COUNT: int | None = None
+
+
+def on_gpu(t: torch.Tensor) -> bool:
+    """Whether kernels for t are planned as GPU kernels (tile sizes, tensor-core dtypes, splits)."""
+    return t.device.type == "cuda" or COMPILE_ONLY_SM_COUNT is not None
+
+
+def sm_count(t: torch.Tensor) -> int:
+    """Streaming multiprocessors of t's GPU (cached by torch, no sync); 1 when interpreted."""
+    if t.device.type == "cuda":
+        return torch.cuda.get_device_properties(t.device).multi_processor_count
+    return COMPILE_ONLY_SM_COUNT or 1
 
 
 def check_device(t: torch.Tensor) -> None:
     """Compiled Triton needs CUDA tensors; CPU tensors only work in the (test-only) interpreter."""
-    if t.device.type != "cuda" and not INTERPRETED:
+    if not on_gpu(t) and not INTERPRETED:
         raise ValueError(
             f"Triton kernels got a {t.device.type} tensor: they need CUDA, or TRITON_INTERPRET=1 set before "
             "triton is imported (tests only). On CPU use TANDEM_KERNELS=reference (the default there)."
@@ -156,7 +171,7 @@ def next_pow2(n: int, minimum: int = 16) -> int:
 
 def dot_dtype(query: torch.Tensor) -> tl.dtype:
     """fp32 in the interpreter (its 16-bit math is broken) and for fp32 inputs; else the query dtype."""
-    if query.device.type != "cuda" or query.dtype == torch.float32:
+    if not on_gpu(query) or query.dtype == torch.float32:
         return tl.float32
     return TORCH_TO_TL[query.dtype]
 

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from kernels.triton_common import (
     LOG2E, check_cache, check_heads, dot_dtype, load_paged_tile, next_pow2, online_softmax_step,
-    scale_args, cast_to,
+    scale_args, cast_to, sm_count,
 )
 
 BLOCK_N = 64  # keys per tile: 16 KB of bf16 K at head_dim 128, several cache blocks per tile
@@ -136,16 +136,11 @@ def _merge_kernel(
     tl.store(o_ptrs, cast_to(out, out_ptr.dtype.element_ty), mask=dmask)
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # interpreted: splitting only adds work; tests force splits explicitly
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def plan_partition(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
+def plan_partition(batch: int, kv_heads: int, max_context: int, sms: int) -> int:
     """Tokens per context split (a multiple of BLOCK_N). Only host-known sizes are used (the block
-    table width, not seq_lens), so planning never syncs with the GPU and CUDA graphs stay valid."""
-    target_programs = 4 * _sm_count(device)  # a few waves so stragglers don't dominate
+    table width, not seq_lens), so planning never syncs with the GPU and CUDA graphs stay valid.
+    Interpreted (sms = 1) this means one split: splitting only adds work there."""
+    target_programs = 4 * sms  # a few waves so stragglers don't dominate
     want = triton.cdiv(target_programs, max(batch * kv_heads, 1))
     splits = max(1, min(want, triton.cdiv(max_context, MIN_PARTITION)))
     per_split = triton.cdiv(max_context, splits)
@@ -181,7 +176,7 @@ def paged_decode_attention(
     block_tables = block_tables.to(query.device)
     seq_lens = seq_lens.to(query.device)
     max_context = block_tables.shape[1] * block_size
-    partition = partition_tokens or plan_partition(b, kv_heads, max_context, query.device)
+    partition = partition_tokens or plan_partition(b, kv_heads, max_context, sm_count(query))
     if partition <= 0 or partition % BLOCK_N:
         raise ValueError(f"partition_tokens must be a positive multiple of {BLOCK_N}, got {partition}")
     num_splits = max(1, triton.cdiv(max_context, partition))

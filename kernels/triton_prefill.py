@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from kernels.triton_common import (
-    LOG2E, cast_to, check_cache, check_heads, dot_dtype, load_paged_tile, next_pow2, online_softmax_step,
-    scale_args,
+    LOG2E, cast_to, check_cache, check_heads, dot_dtype, load_paged_tile, next_pow2, on_gpu,
+    online_softmax_step, scale_args,
 )
 
 
@@ -92,14 +92,14 @@ def _prefill_kernel(
                  cast_to(out, out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 
-def _tiles(device: torch.device, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+def _tiles(query: torch.Tensor, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps). 128 x 64 with 8 warps is the usual Hopper/Ampere sweet spot for
     16-bit inputs at head_dim <= 128; fp32 operands and 256-wide heads use 64 x 32 to stay within
     shared memory (fp32 128 x 64 needs ~160 KB). The interpreter gets small tiles so the masked
     waste of numpy ops on short test sequences stays low."""
-    if device.type != "cuda":
+    if not on_gpu(query):
         return 32, 32, 4
-    if head_dim > 128 or dtype == torch.float32:
+    if head_dim > 128 or query.dtype == torch.float32:
         return 64, 32, 4
     return 128, 64, 8
 
@@ -143,7 +143,7 @@ def prefill_attention(
     max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_q_len == 0:
         return out
-    block_m, block_n, warps = _tiles(query.device, head_dim, query.dtype)
+    block_m, block_n, warps = _tiles(query, head_dim)
     scale_t, *scale_strides = scale_args(kv_cache, kv_scale)
     grid = (triton.cdiv(max_q_len, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
