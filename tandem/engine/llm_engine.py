@@ -71,12 +71,9 @@ class LLMEngine:
         """Resolve the speculator by name once (never per step) and build it."""
         if self.config.speculator is None:
             return None
+        from plugins.registry import resolve_speculator
         from plugins.speculators import SpeculatorContext
 
-        try:
-            from plugins.registry import resolve_speculator
-        except ImportError:  # the pluggy registry (issue 6 part A) is not in yet: built-ins only
-            from plugins.speculators import resolve_builtin_speculator as resolve_speculator
         cls = resolve_speculator(self.config.speculator)
         return cls(SpeculatorContext(self.config, self.model_config, self.max_model_len,
                                      self.config.torch_device, self.config.torch_dtype))
@@ -88,9 +85,11 @@ class LLMEngine:
         if self.config.max_model_len is None:
             return min(limit, _MAX_MODEL_LEN_DEFAULT_CAP)
         if self.config.max_model_len > limit:
-            why = "sliding_window" if cfg.sliding_window and limit == cfg.sliding_window else "max_position_embeddings"
-            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's {why} ({limit}); "
-                             "sliding-window attention is not implemented")
+            if cfg.sliding_window and limit == cfg.sliding_window:
+                raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's sliding_window "
+                                 f"({limit}); sliding-window attention is not implemented")
+            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings ({limit})")
         return self.config.max_model_len
 
     # ---- requests ----------------------------------------------------------------------------

@@ -89,6 +89,14 @@ class Scheduler:
             return True
         return False
 
+    def compute_locally(self, request_id: str) -> Request:
+        """A request waiting for remote KV computes the rest itself (short uncached part, or the
+        prefill peer failed). Its cached prefix stays; blocks past it are simply recomputed."""
+        req = self.remote.pop(request_id)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return req
+
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens

@@ -1,0 +1,1 @@
+"""Prefill worker: the engine in prefill role + KV sender (layer-wise push to decode workers)."""

@@ -1,0 +1,185 @@
+"""PrefillWorker: one request's path through a prefill worker (P).
+
+1. `prefill(id, token_ids, sampling, send_from, dest, dest_block_ids)` arrives from a decode worker D.
+   It is validated (block count must match the prompt; the KV handshake with `dest` must agree on
+   model, dtype, block size, layers, heads) — a failure is answered with `prefill_failed`.
+2. The request is scheduled like any other (P's own prefix cache, chunked prefill, batched with
+   others) with `max_tokens=1`: a prefill-role request is done after its first token.
+3. After each layer stores its K/V (the runner's layer hook), the blocks at or beyond `send_from`
+   whose tokens are now all computed are pushed to D's `dest_block_ids` for that layer — the
+   transfer overlaps the remaining layers' compute.
+4. When the first token is sampled, P answers `prefill_done(first_token)`; its blocks return to
+   its prefix cache (reusable, evictable).
+5. `abort` from D removes the request and stops sending for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import structlog
+import zmq
+
+from tandem.engine.llm_engine import LLMEngine
+from tandem.protocol.channel import ControlServer
+from tandem.sampling_params import SamplingParams
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class Outbound:
+    """One request's transfer: where its blocks go and how far each layer has been sent."""
+
+    identity: bytes
+    dest: str
+    send_from_block: int
+    dest_block_ids: list[int]
+    sent: list[int]  # per layer: blocks [send_from_block, sent[layer]) already pushed
+
+
+class PrefillWorker:
+    def __init__(self, engine: LLMEngine, listen: str, sender, ctx: zmq.Context | None = None,
+                 registrar=None) -> None:
+        self.engine = engine
+        self.ctx = ctx or zmq.Context.instance()
+        self.server = ControlServer(self.ctx, listen)
+        self.sender = sender
+        self.outbound: dict[str, Outbound] = {}
+        self.traces: dict[str, dict[str, int]] = {}
+        self.counters = {"prefills": 0, "failed": 0, "aborted": 0, "errors": 0}
+        self._stopped = False
+        self.registrar = registrar  # router registration (issue 5): tandem.protocol.registration.Registrar
+        engine.runner.layer_hook = self._on_layer_stored
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def run(self) -> None:
+        log.info("prefill worker serving", address=self.address)
+        while not self._stopped:
+            self.run_once()
+
+    def stop(self) -> None:
+        self._stopped = True
+
+    def run_once(self) -> None:
+        sched = self.engine.scheduler
+        busy = bool(sched.running or sched.waiting)
+        self.server.sock.poll(0 if busy else 20)
+        for identity, msg in self.server.receive():
+            try:
+                self.handle(identity, msg)
+            except Exception as exc:  # never let one message take the worker down
+                self.counters["errors"] += 1
+                log.exception("message handling failed", error=str(exc))
+        if busy:
+            for out in self.engine.step():
+                if out.finished:
+                    self._finished(out.request_id, out.token_ids, out.finish_reason)
+        if self.registrar is not None:  # router registration (issue 5): heartbeat every interval
+            self.registrar.tick(self.stats_dict)
+
+    # ---- control messages --------------------------------------------------------------------
+    def handle(self, identity: bytes, msg: dict) -> None:
+        kind = msg["type"]
+        if kind == "prefill":
+            self._prefill(identity, msg)
+        elif kind == "abort":
+            if self.outbound.pop(msg["id"], None) is not None:
+                self.counters["aborted"] += 1
+                self.sender.cancel(msg["id"])
+                self.engine.abort_request(msg["id"])
+        elif kind == "stats":
+            self.server.reply(identity, "stats_reply", stats=self.stats_dict())
+        elif kind == "trace":
+            self.server.reply(identity, "trace_reply", id=msg["id"], events=self.traces.get(msg["id"], {}))
+        else:
+            self.server.reply(identity, "error", id=msg.get("id"), message=f"a prefill worker does not accept {kind!r}")
+
+    def _prefill(self, identity: bytes, msg: dict) -> None:
+        rid, bs = msg["id"], self.engine.config.block_size
+        try:
+            params = dataclasses.replace(SamplingParams.from_dict(msg["sampling"]), max_tokens=1)
+            req = self.engine.make_request(rid, msg["token_ids"], params)
+            send_from = msg["send_from"]
+            if send_from % bs or not 0 <= send_from < req.num_tokens:
+                raise ValueError(f"send_from={send_from} must be a multiple of {bs} below the prompt length")
+            n_blocks = -(-req.num_tokens // bs) - send_from // bs
+            if len(msg["dest_block_ids"]) != n_blocks:
+                raise ValueError(f"expected {n_blocks} destination blocks, got {len(msg['dest_block_ids'])}")
+            self.sender.connect(msg["dest"])  # handshake (cached per destination)
+        except Exception as exc:  # validation or handshake: D falls back to computing locally
+            self.counters["failed"] += 1
+            self.server.reply(identity, "prefill_failed", id=rid, message=str(exc))
+            return
+        num_layers = self.engine.model_config.num_layers
+        self.outbound[rid] = Outbound(identity, msg["dest"], send_from // bs, list(msg["dest_block_ids"]),
+                                      [send_from // bs] * num_layers)
+        self._trace(rid, "received_ns")
+        self.engine.track(req)
+        self.engine.scheduler.add(req)
+
+    def _finished(self, rid: str, token_ids: list[int], reason: str | None) -> None:
+        job = self.outbound.pop(rid, None)
+        if job is None:
+            return
+        if reason == "abort" or not token_ids:
+            return
+        # Every layer was handed to the sender during the forward pass; "done" follows them on the
+        # same link, so D sees it after the last block. Don't wait for D's ack here (timeout 0).
+        self.sender.finish(rid, 0.0, job.dest)
+        self.counters["prefills"] += 1
+        self._trace(rid, "done_ns")
+        self.server.reply(job.identity, "prefill_done", id=rid, first_token=token_ids[0])
+
+    # ---- layer-wise push -------------------------------------------------------------------------
+    def _on_layer_stored(self, layer: int) -> None:
+        """Runs inside the forward pass, right after `layer` wrote this step's K/V."""
+        schedule = self.engine.current_schedule
+        if schedule is None:
+            return
+        runner = self.engine.runner
+        bs = self.engine.config.block_size
+        last_layer = layer == len(runner.kv_caches) - 1
+        for s in schedule.scheduled:
+            req = s.request
+            job = self.outbound.get(req.request_id)
+            if job is None:
+                continue
+            done_tokens = req.num_computed_tokens + s.num_new_tokens
+            ready = -(-req.num_tokens // bs) if done_tokens >= req.num_tokens else done_tokens // bs
+            first = job.sent[layer]
+            if ready <= first:
+                continue
+            src = req.block_ids[first:ready]
+            dest = job.dest_block_ids[first - job.send_from_block: ready - job.send_from_block]
+            scales = runner.kv_scales[layer] if runner.kv_scales is not None else None
+            self.sender.send_layer(job.dest, req.request_id, layer, runner.kv_caches[layer], scales, src, dest)
+            job.sent[layer] = ready
+            if layer == 0:
+                self._trace(req.request_id, "first_layer_sent_ns")
+            if last_layer and done_tokens >= req.num_tokens:
+                self._trace(req.request_id, "last_layer_computed_ns")
+
+    def _trace(self, rid: str, event: str) -> None:
+        if len(self.traces) > 10000:
+            self.traces.pop(next(iter(self.traces)))
+        self.traces.setdefault(rid, {}).setdefault(event, time.monotonic_ns())
+
+    def stats_dict(self) -> dict:
+        sched, kv = self.engine.scheduler, self.engine.kv.stats()
+        out = {"role": "prefill", "running": len(sched.running), "waiting": len(sched.waiting),
+               "kv_blocks_total": kv.num_blocks, "kv_blocks_used": kv.used_blocks, "kv_usage": kv.usage,
+               "prefix_queried_tokens": kv.prefix_queried_tokens, "prefix_hit_tokens": kv.prefix_hit_tokens,
+               "preemptions": sched.num_preemptions, "bad_messages": self.server.bad_frames, **self.counters}
+        st = self.sender.stats
+        out.update(kv_bytes_sent=st.bytes_sent, kv_transfers=st.transfers, kv_transfer_failures=st.failures)
+        return out
+
+    def close(self) -> None:
+        self.server.close()
+        self.sender.close()

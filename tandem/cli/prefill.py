@@ -1,0 +1,28 @@
+"""`tandem prefill`: a prefill worker (the engine in prefill role + KV sender)."""
+
+from __future__ import annotations
+
+import argparse
+
+from tandem.cli.worker_common import add_worker_args, announce, build_engine, make_registrar, serve
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prefill", help="run a prefill worker",
+                       description="Prefill worker: computes prompts for decode workers and pushes their KV "
+                                   "layer by layer.")
+    add_worker_args(p, default_port=5800)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from prefill_svc.worker import PrefillWorker
+    from tandem.engine.kv_layout import make_sender
+
+    if args.kv_connector == "none":
+        raise ValueError("a prefill worker needs a KV connector (zmq, shm or torch_dist)")
+    engine = build_engine(args, role="prefill")
+    worker = PrefillWorker(engine, args.listen, make_sender(engine, args.kv_connector))
+    worker.registrar = make_registrar(args, "prefill", worker.address, engine.config.model)
+    announce("prefill", control=worker.address)
+    return serve(worker)

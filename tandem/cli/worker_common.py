@@ -1,0 +1,59 @@
+"""Flags and start-up shared by the worker commands (`tandem decode`, `tandem prefill`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+from tandem.cli.engine_args import add_engine_args, add_model_arg, engine_config_from_args, resolve_model
+
+
+def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    add_model_arg(p)
+    p.add_argument("--listen", default=f"tcp://127.0.0.1:{default_port}",
+                   help="ZMQ control address to bind (tcp://HOST:PORT or ipc://PATH; port 0 picks a free one)")
+    p.add_argument("--kv-connector", default="zmq", help="KV transfer connector: zmq | shm | torch_dist (see `tandem plugins`)")
+    p.add_argument("--router", default=None, help="router's ZMQ registration address (register + heartbeat)")
+    p.add_argument("--worker-id", default=None, help="name reported to the router (default: role-pid)")
+    p.add_argument("--advertise", default=None, help="control address the router should use (default: the bound one)")
+    add_engine_args(p)
+
+
+def build_engine(args: argparse.Namespace, role: str):
+    from tandem.engine.llm_engine import LLMEngine
+
+    return LLMEngine(engine_config_from_args(args, resolve_model(args.model), role=role))
+
+
+def make_registrar(args: argparse.Namespace, role: str, control_address: str, model: str):
+    if not args.router:
+        return None
+    import zmq
+
+    from tandem.protocol.registration import Registrar
+
+    worker_id = args.worker_id or f"{role}-{os.getpid()}"
+    return Registrar(zmq.Context.instance(), args.router, worker_id, role, args.advertise or control_address, model)
+
+
+def announce(role: str, **addresses: str) -> None:
+    """One machine-readable line on stdout: launchers and tests wait for it."""
+    print(f"tandem-{role}-ready " + json.dumps(addresses), flush=True)
+
+
+def serve(worker) -> int:
+    """Run until SIGTERM/SIGINT, then close sockets (and shared memory) cleanly."""
+    def _stop(*_):
+        worker.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        worker.run()
+    finally:
+        worker.close()
+        sys.stdout.flush()
+    return 0
