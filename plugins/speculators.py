@@ -124,14 +124,6 @@ class DraftModelSpeculator(Speculator):
         self.runner.release(request_id)
 
 
+# Published through the `tandem_speculators()` hook by plugins/builtin.py (which reads SPECULATORS).
 BUILTIN_SPECULATORS: dict[str, type[Speculator]] = {"ngram": NgramSpeculator, "draft_model": DraftModelSpeculator}
-
-
-def resolve_builtin_speculator(name: str) -> type[Speculator]:
-    """Fallback until the pluggy registry (plugins/registry.resolve_speculator) is in place."""
-    if name not in BUILTIN_SPECULATORS:
-        raise ValueError(f"unknown speculator {name!r}; available: {', '.join(sorted(BUILTIN_SPECULATORS))}")
-    return BUILTIN_SPECULATORS[name]
-
-
-SPECULATORS = BUILTIN_SPECULATORS  # the name plugins/builtin.py publishes through tandem_speculators()
+SPECULATORS = BUILTIN_SPECULATORS
