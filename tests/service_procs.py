@@ -87,14 +87,14 @@ def post(url: str, body: dict) -> tuple[int, dict, dict]:
         return e.code, dict(e.headers), json.loads(e.read())
 
 
-def wait_workers(http: str, decode: int, timeout: float = 90) -> dict:
+def wait_workers(http: str, decode: int, prefill: int = 0, timeout: float = 90) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         _, health = get_json(f"{http}/health")
-        if health["live_workers"]["decode"] == decode:
+        if health["live_workers"] == {"decode": decode, "prefill": prefill}:
             return health
         time.sleep(0.1)
-    raise AssertionError(f"router never saw {decode} decode workers: {health}")
+    raise AssertionError(f"router never saw {decode} decode + {prefill} prefill workers: {health}")
 
 
 def worker_stats(address: str) -> dict:

@@ -1,12 +1,11 @@
-"""The router as real processes on loopback (ephemeral ports): decode workers that register and
-heartbeat, a router in front of them, the `openai` client and a gRPC client; every output is
-compared with the offline engine's greedy output on the same checkpoint. The routing policies are
-also unit-tested at the end (pure functions, no processes).
+"""The router as real processes on loopback (ephemeral ports): `tandem router`, `tandem decode` and
+`tandem prefill` workers that register and heartbeat, the `openai` client and a gRPC client; every
+output is compared with the offline engine's greedy output on the same checkpoint. (The router's
+core, registry and routing policies are unit-tested in test_router_core.py.)
 
 Process map (module fixture `cluster`):
-  router    --decode-policy round_robin, workers register to its --listen
-  d1, d2    decode workers registered to `router` (colocated: they compute prompts themselves)
-  small     a second router with static --decode d1 and --max-inflight 2 (admission control)
+  router    --decode-policy round_robin; d1, d2 (decode) and p1 (prefill) register to its --listen
+  small     a second router with static --decode d1 --prefill p1 and --max-inflight 2 (admission control)
   empty     a third router with no workers (503 / UNAVAILABLE)
 """
 
@@ -27,27 +26,16 @@ from service_procs import (Proc, get_json, grpc_stub, post, router_endpoints, st
                            worker_stats)
 from tiny_models import make_checkpoint
 
-HEARTBEAT_S = 0.3  # workers' heartbeat interval; the router drops a worker after 4 missed ones
 MAX_TOKENS = 12
 
-# Until the worker CLIs take a --router flag this starts a colocated DecodeWorker directly.
-DECODE_WORKER = r"""
-import sys, zmq
-from tandem.config import EngineConfig
-from tandem.engine.llm_engine import LLMEngine
-from tandem.protocol.registration import Registrar
-from decode_svc.worker import DecodeWorker
-model, router, wid, interval = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
-engine = LLMEngine(EngineConfig(model=model, num_kv_blocks=512))
-registrar = Registrar(zmq.Context.instance(), router, wid, "decode", None, model, interval)
-worker = DecodeWorker(engine, "tcp://127.0.0.1:0", registrar=registrar)
-registrar.control_address = worker.address
-print("decode worker", wid, worker.address, flush=True)
-worker.run()
-"""
+
+def start_worker(role: str, wid: str, ckpt: str, router: str, logs) -> Proc:
+    # --local-prefill-threshold 0: every prompt goes through the prefill worker (the disaggregated path).
+    extra = ["--local-prefill-threshold", "0"] if role == "decode" else []
+    return Proc(wid, [sys.executable, "-m", "tandem.cli", role, "--model", ckpt, "--listen", "tcp://127.0.0.1:0",
+                      "--router", router, "--worker-id", wid, "--num-kv-blocks", "512", *extra], logs)
 
 
-# ---- fixtures ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     from tandem import LLM
@@ -60,15 +48,16 @@ def cluster(tmp_path_factory):
              start_router("empty", ckpt, logs)]
     try:
         ep = router_endpoints(procs[0])
-        for wid in ("d1", "d2"):
-            procs.append(Proc(wid, [sys.executable, "-c", DECODE_WORKER, ckpt, ep["listen"], wid, str(HEARTBEAT_S)], logs))
+        procs += [start_worker(role, wid, ckpt, ep["listen"], logs)
+                  for role, wid in (("decode", "d1"), ("decode", "d2"), ("prefill", "p1"))]
         llm = LLM(ckpt, num_kv_blocks=512)  # the oracle loads while the workers start
-        workers = {p.name: p.wait_for(r"decode worker \S+ (\S+)").group(1) for p in procs[2:]}
-        procs.append(start_router("small", ckpt, logs, "--decode", workers["d1"], "--max-inflight", "2"))
+        workers = {p.name: json.loads(p.wait_for(r"tandem-\w+-ready (.*)").group(1))["control"] for p in procs[2:]}
+        procs.append(start_router("small", ckpt, logs, "--decode", workers["d1"], "--prefill", workers["p1"],
+                                  "--max-inflight", "2"))
         info = {"ckpt": ckpt, "llm": llm, "procs": {p.name: p for p in procs}, "workers": workers, **ep,
-                "empty": router_endpoints(procs[1]), "small": router_endpoints(procs[4])}
-        wait_workers(ep["http"], 2)
-        wait_workers(info["small"]["http"], 1)
+                "empty": router_endpoints(procs[1]), "small": router_endpoints(procs[5])}
+        wait_workers(ep["http"], 2, prefill=1)
+        wait_workers(info["small"]["http"], 1, prefill=1)
         yield info
     finally:
         stop_all(procs)
@@ -135,6 +124,11 @@ def test_grpc_generate_matches_offline(cluster, oracle):
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(cluster["grpc"]))
     assert health.Check(health_pb2.HealthCheckRequest(service="tandem.v1.Generation")).status == \
         health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    reflect = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(cluster["grpc"]))
+    listed = next(iter(reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))))
+    assert "tandem.v1.Generation" in {s.name for s in listed.list_services_response.service}
 
 
 def test_32_concurrent_clients(cluster, oracle):
@@ -154,6 +148,11 @@ def test_32_concurrent_clients(cluster, oracle):
         return await asyncio.gather(*(one(i) for i in range(32)))
 
     assert asyncio.run(main()) == expected
+    # They took the disaggregated path: P computed the prompts, D received their KV.
+    stats = {w: worker_stats(a) for w, a in cluster["workers"].items()}
+    assert stats["p1"]["prefills"] >= 32 and stats["d1"]["remote_prefills"] + stats["d2"]["remote_prefills"] >= 32
+    assert stats["d1"]["remote_prefills"] and stats["d2"]["remote_prefills"]  # round_robin used both
+    assert stats["d1"]["fallbacks"] + stats["d2"]["fallbacks"] == 0
 
 
 def test_cancelled_stream_frees_blocks(cluster):
@@ -278,71 +277,8 @@ def test_killed_worker_requests_are_retried_elsewhere(cluster, oracle):
     started = time.monotonic()
     assert asyncio.run(main()) == expected
     assert time.monotonic() - started < 30
-    health = wait_workers(cluster["http"], 1)
-    assert [w["worker_id"] for w in health["workers"]] == ["d1"]
+    health = wait_workers(cluster["http"], 1, prefill=1)
+    assert [w["worker_id"] for w in health["workers"]] == ["d1", "p1"]
     metrics = urllib.request.urlopen(f"{cluster['http']}/metrics", timeout=10).read().decode()
     retries = float(re.search(r"^tandem_router_retries_total (\S+)", metrics, re.M).group(1))
     assert retries >= 1
-
-
-# ---- routing policies (unit) ---------------------------------------------------------------------
-def _workers(n: int, **stats):
-    from router_svc.registry import Worker
-
-    return [Worker(worker_id=f"w{i}", role="decode", address=f"tcp://w{i}", stats=dict(stats)) for i in range(n)]
-
-
-def test_prefix_affinity_keeps_shared_prefixes_together():
-    from router_svc.routing import PrefixAffinity, RouteRequest, prefix_key
-
-    policy, workers = PrefixAffinity(), _workers(4)
-    shared = list(range(100, 164))  # 4 full blocks of 16
-
-    def pick(tokens, ws):
-        return policy.choose(ws, RouteRequest("r", tokens, prefix_key(tokens, 16, 4))).worker_id
-
-    assert len({pick(shared + [i, i + 1], workers) for i in range(20)}) == 1
-    prompts = [[i] * 70 for i in range(200)]
-    before = {i: pick(p, workers) for i, p in enumerate(prompts)}
-    assert len(set(before.values())) == 4
-    after = {i: pick(p, workers[:3]) for i, p in enumerate(prompts)}  # w3 leaves
-    assert all(after[i] == before[i] for i in before if before[i] != "w3")  # only w3's share moves
-    workers[0].inflight = 100  # a hot worker spills to the next in the prompt's hash order
-    assert all(pick(p, workers) != "w0" for p in prompts[:20])
-
-
-def test_least_loaded_and_round_robin():
-    from router_svc.routing import LeastLoaded, RoundRobin, RouteRequest
-
-    req = RouteRequest("r", [1, 2, 3], b"k")
-    workers = _workers(3, waiting=5, kv_usage=0.5)
-    workers[1].stats = {"waiting": 1, "kv_usage": 0.9}
-    assert LeastLoaded().choose(workers, req).worker_id == "w1"
-    workers[1].inflight = 10
-    workers[2].stats = {"waiting": 5, "kv_usage": 0.1}
-    assert LeastLoaded().choose(workers, req).worker_id == "w2"
-    rr = RoundRobin()
-    assert [rr.choose(workers, req).worker_id for _ in range(4)] == ["w0", "w1", "w2", "w0"]
-
-
-def test_registry_heartbeats_expiry_and_static_workers():
-    from router_svc.registry import Registry
-
-    reg = Registry(static_timeout_s=1.0, misses=3)
-    beat = {"type": "heartbeat", "worker_id": "d9", "stats": {"waiting": 2}}
-    assert "register first" in reg.handle(beat)[0]
-    register = {"type": "register", "worker_id": "d9", "role": "decode", "control_address": "tcp://d9",
-                "model": "m", "interval_ms": 100}
-    assert reg.handle(register) == (None, None) and reg.handle(beat) == (None, None)
-    assert reg.live("decode")[0].stats == {"waiting": 2}
-    assert "role" in reg.handle({**register, "worker_id": "x", "role": "both"})[0]
-    static = reg.add_static("prefill", "tcp://p9")
-    assert reg.live("prefill") == []  # down until it answers a stats poll
-    reg.on_stats_reply("tcp://p9", {"running": 0})
-    assert reg.live("prefill") == [static]
-    now = reg.workers["d9"].last_seen
-    assert reg.expire(now + 0.2) == []
-    assert [w.worker_id for w in reg.expire(now + 0.5)] == ["d9"] and "d9" not in reg.workers
-    assert reg.expire(static.last_seen + 1.5) == [static] and reg.live("prefill") == []
-    reg.on_stats_reply("tcp://p9", {"running": 0})  # a static worker comes back with its next reply
-    assert reg.live("prefill") == [static]

@@ -1,0 +1,110 @@
+"""Unit tests of the router's pieces without processes: routing policies, the worker registry, and the
+core's retry / fail / abort / admission rules (the end-to-end behaviour is in test_router.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+
+def _workers(n: int, **stats):
+    from router_svc.registry import Worker
+
+    return [Worker(worker_id=f"w{i}", role="decode", address=f"tcp://w{i}", stats=dict(stats)) for i in range(n)]
+
+
+def test_prefix_affinity_keeps_shared_prefixes_together():
+    from router_svc.routing import PrefixAffinity, RouteRequest, prefix_key
+
+    policy, workers = PrefixAffinity(), _workers(4)
+    shared = list(range(100, 164))  # 4 full blocks of 16
+
+    def pick(tokens, ws):
+        return policy.choose(ws, RouteRequest("r", tokens, prefix_key(tokens, 16, 4))).worker_id
+
+    assert len({pick(shared + [i, i + 1], workers) for i in range(20)}) == 1
+    prompts = [[i] * 70 for i in range(200)]
+    before = {i: pick(p, workers) for i, p in enumerate(prompts)}
+    assert len(set(before.values())) == 4
+    after = {i: pick(p, workers[:3]) for i, p in enumerate(prompts)}  # w3 leaves
+    assert all(after[i] == before[i] for i in before if before[i] != "w3")  # only w3's share moves
+    workers[0].inflight = 100  # a hot worker spills to the next in the prompt's hash order
+    assert all(pick(p, workers) != "w0" for p in prompts[:20])
+
+
+def test_least_loaded_and_round_robin():
+    from router_svc.routing import LeastLoaded, RoundRobin, RouteRequest
+
+    req = RouteRequest("r", [1, 2, 3], b"k")
+    workers = _workers(3, waiting=5, kv_usage=0.5)
+    workers[1].stats = {"waiting": 1, "kv_usage": 0.9}
+    assert LeastLoaded().choose(workers, req).worker_id == "w1"
+    workers[1].inflight = 10
+    workers[2].stats = {"waiting": 5, "kv_usage": 0.1}
+    assert LeastLoaded().choose(workers, req).worker_id == "w2"
+    rr = RoundRobin()
+    assert [rr.choose(workers, req).worker_id for _ in range(4)] == ["w0", "w1", "w2", "w0"]
+
+
+def test_registry_heartbeats_expiry_and_static_workers():
+    from router_svc.registry import Registry
+
+    reg = Registry(static_timeout_s=1.0, misses=3)
+    beat = {"type": "heartbeat", "worker_id": "d9", "stats": {"waiting": 2}}
+    assert "register first" in reg.handle(beat)[0]
+    register = {"type": "register", "worker_id": "d9", "role": "decode", "control_address": "tcp://d9",
+                "model": "m", "interval_ms": 100}
+    assert reg.handle(register) == (None, None) and reg.handle(beat) == (None, None)
+    assert reg.live("decode")[0].stats == {"waiting": 2}
+    assert "role" in reg.handle({**register, "worker_id": "x", "role": "both"})[0]
+    static = reg.add_static("prefill", "tcp://p9")
+    assert reg.live("prefill") == []  # down until it answers a stats poll
+    reg.on_stats_reply("tcp://p9", {"running": 0})
+    assert reg.live("prefill") == [static]
+    now = reg.workers["d9"].last_seen
+    assert reg.expire(now + 0.2) == []
+    assert [w.worker_id for w in reg.expire(now + 0.5)] == ["d9"] and "d9" not in reg.workers
+    assert reg.expire(static.last_seen + 1.5) == [static] and reg.live("prefill") == []
+    reg.on_stats_reply("tcp://p9", {"running": 0})  # a static worker comes back with its next reply
+    assert reg.live("prefill") == [static]
+
+
+def test_core_retries_unstarted_fails_started_and_admits_boundedly():
+    from router_svc.core import Router
+    from router_svc.errors import Overloaded, WorkerLost
+    from router_svc.registry import Registry
+    from router_svc.routing import RoundRobin
+    from tandem.sampling_params import SamplingParams
+
+    def out(rid, tokens, finished=False):
+        return {"type": "output", "id": rid, "token_ids": tokens, "text": "t" * len(tokens), "finished": finished,
+                "finish_reason": "length" if finished else None, "num_cached_tokens": 0, "num_prompt_tokens": 3}
+
+    async def main():
+        reg, sent = Registry(), []
+        for wid in ("a", "b"):
+            reg.handle({"type": "register", "worker_id": wid, "role": "decode", "control_address": f"tcp://{wid}",
+                        "model": "m", "interval_ms": 100})
+        router = Router(reg, lambda addr, kind, **f: sent.append((addr, kind, f["id"])), RoundRobin(), RoundRobin(),
+                        max_inflight=3)
+        params = SamplingParams(max_tokens=4)
+        s1, s2, s3 = (router.submit([1, 2, 3], params, rid) for rid in ("r1", "r2", "r3"))  # a, b, a
+        with pytest.raises(Overloaded):
+            router.submit([1], params)
+        router.on_worker_message("tcp://a", out("r1", [7]))
+        assert (await s1.__anext__()).token_ids == [7]
+        reg.workers["b"].last_seen += 10  # a goes silent, b keeps beating
+        lost = reg.expire(reg.workers["a"].last_seen + 1.0)
+        assert [w.worker_id for w in lost] == ["a"]
+        router.on_worker_lost(lost[0])
+        with pytest.raises(WorkerLost, match="after 1 tokens"):
+            await s1.__anext__()  # r1 had streamed a token: a clear error, not a hang
+        assert ("tcp://b", "add_request", "r3") in sent  # r3 had not: re-sent to b
+        router.on_worker_message("tcp://a", out("r3", [9], finished=True))  # a late reply from a is ignored
+        router.on_worker_message("tcp://b", out("r3", [5, 6], finished=True))
+        assert (await s3.__anext__()).token_ids == [5, 6]
+        s2.close()  # a client that goes away aborts its request on D
+        assert sent[-1] == ("tcp://b", "abort", "r2") and router.flights == {}
+
+    asyncio.run(main())
