@@ -5,6 +5,7 @@ entry-point group: once pip-installed, the engine uses its `fifo` eviction polic
 Engines run in subprocesses so that the freshly installed entry points are read from scratch."""
 
 import importlib.metadata as md
+import importlib.util
 import json
 import os
 import shutil
@@ -35,7 +36,10 @@ def installed(tmp_path_factory):
         was_installed = False
     src = tmp_path_factory.mktemp("example") / "pkg"  # build from a copy: no build/ left in the repo
     shutil.copytree(EXAMPLE, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    _pip("install", "--no-deps", "--no-build-isolation", "--force-reinstall", "-q", str(src))
+    # Build with the environment's setuptools (no download); a venv without it (Python >= 3.12 ships
+    # none) lets pip fetch the build backend in isolation instead.
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    _pip("install", "--no-deps", *isolation, "--force-reinstall", "-q", str(src))
     yield
     if not was_installed:  # leave the environment as we found it
         _pip("uninstall", "-y", "-q", DIST)
@@ -163,3 +167,4 @@ def test_collection_happens_once():
     resolve_eviction("lfu", 4)
     assert manager.plugin_manager.cache_info().misses == 1
     assert manager.collect.cache_info().misses == 2  # one per kind asked for, then cached
+    manager.reset()  # the example package may be uninstalled next: do not keep it cached
