@@ -33,7 +33,7 @@ class Released:
 
 
 class RemoteKV:
-    def __init__(self, receiver: KVReceiver, timeout_s: float, trace: Callable[[str, str], None]) -> None:
+    def __init__(self, receiver: KVReceiver, timeout_s: float, trace: Callable[..., None]) -> None:
         self.receiver = receiver
         self.timeout_s = timeout_s  # idle time without KV progress, and wait for P's first token
         self.trace = trace
@@ -64,8 +64,8 @@ class RemoteKV:
             if p is None:
                 continue
             if isinstance(ev, LayerReceived):
-                if ev.layer == 0:
-                    self.trace(ev.request_id, "first_layer_received_ns")
+                if ev.layer == 0:  # the receiver's I/O thread stamped its arrival
+                    self.trace(ev.request_id, "first_layer_received_ns", ev.t_monotonic_ns)
             elif isinstance(ev, TransferDone):
                 p.kv_done_at = time.monotonic()
                 self.bytes_received += ev.bytes

@@ -17,12 +17,14 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import structlog
 import zmq
 
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.request import Request, RequestStatus
 from tandem.outputs import RequestOutput
 from tandem.protocol.channel import ControlServer, PeerClients
 from tandem.sampling_params import SamplingParams
@@ -36,6 +38,7 @@ class DecodeStats:
     remote_prefills: int = 0
     local_prefills: int = 0
     fallbacks: int = 0
+    last_fallback_reason: str = ""
     transferred_blocks: int = 0
     reused_blocks: int = 0
     errors: int = 0
@@ -57,6 +60,7 @@ class DecodeWorker:
         self.local_prefill_threshold = local_prefill_threshold
         self.clients: dict[str, bytes] = {}
         self._after_release: dict[str, str] = {}  # request id -> "abort" | "local", once its KV is released
+        self.backlog: deque[tuple[Request, str]] = deque()  # waiting for blocks to receive remote KV into
         self._stopped = False
         self.registrar = registrar  # router registration (issue 5): tandem.protocol.registration.Registrar
 
@@ -77,7 +81,7 @@ class DecodeWorker:
     def run_once(self) -> None:
         sched = self.engine.scheduler
         runnable = bool(sched.running or sched.waiting)
-        waiting_kv = bool(sched.remote)
+        waiting_kv = bool(sched.remote or self.backlog)
         poller = zmq.Poller()
         poller.register(self.server.sock, zmq.POLLIN)
         self.peers.register(poller)
@@ -86,6 +90,7 @@ class DecodeWorker:
             self._safely(self.handle, identity, msg)
         for _peer, msg in self.peers.receive():
             self._safely(self.handle_peer, msg)
+        self._dispatch_backlog()
         if self.remote is not None:
             ready, released = self.remote.poll()
             for rid, first_token in ready:
@@ -132,6 +137,8 @@ class DecodeWorker:
     def _add(self, identity: bytes, msg: dict) -> None:
         rid = msg["id"]
         try:
+            if rid in self.clients:
+                raise ValueError(f"request id {rid!r} is already in use")
             params = SamplingParams.from_dict(msg["sampling"])
             req = self.engine.make_request(rid, msg["token_ids"], params)
         except (ValueError, TypeError) as exc:
@@ -140,31 +147,48 @@ class DecodeWorker:
         self.clients[rid] = identity
         self.engine.track(req)
         self._trace(rid, "added_ns")
-        peer = msg["prefill_peer"]
-        sched = self.engine.scheduler
-        if peer is None or self.remote is None or not sched.add_remote(req):
-            sched.add(req)  # no peer (colocated), or no room to hold remote KV now: queue locally
+        if msg["prefill_peer"] is None or self.remote is None:
+            self.engine.scheduler.add(req)  # colocated: this worker prefills
             self.stats.local_prefills += 1
-            return
-        bs = self.engine.config.block_size
-        n_cached = req.num_computed_tokens
-        self.stats.reused_blocks += n_cached // bs
-        if req.num_tokens - n_cached < self.local_prefill_threshold:
-            sched.compute_locally(rid)
-            self.stats.local_prefills += 1
-            return
-        dest_blocks = req.block_ids[n_cached // bs:]
-        self.remote.expect(rid, peer, dest_blocks)
-        try:
-            self.peers.send(peer, "prefill", id=rid, token_ids=req.prompt_token_ids, sampling=params.to_dict(),
-                            send_from=n_cached, dest=self.remote.address, dest_block_ids=dest_blocks)
-        except ConnectionError as exc:
-            self._fallback(rid, str(exc))
-            return
-        self.stats.remote_prefills += 1
-        self.stats.transferred_blocks += len(dest_blocks)
+        else:
+            self.backlog.append((req, msg["prefill_peer"]))
+
+    def _dispatch_backlog(self) -> None:
+        """FCFS: give backlogged requests blocks for their prompt and ask their prefill peer for the KV.
+        A request waits here (not computed locally) while D has no room: D's compute is for decoding."""
+        sched, bs = self.engine.scheduler, self.engine.config.block_size
+        while self.backlog:
+            req, peer = self.backlog[0]
+            if req.finished:  # aborted while backlogged
+                self.backlog.popleft()
+                continue
+            if not sched.add_remote(req):
+                return
+            self.backlog.popleft()
+            rid, n_cached = req.request_id, req.num_computed_tokens
+            self.stats.reused_blocks += n_cached // bs
+            if req.num_tokens - n_cached < self.local_prefill_threshold:
+                sched.compute_locally(rid)
+                self.stats.local_prefills += 1
+                continue
+            dest_blocks = req.block_ids[n_cached // bs:]
+            self.remote.expect(rid, peer, dest_blocks)
+            self.stats.remote_prefills += 1
+            self.stats.transferred_blocks += len(dest_blocks)
+            try:
+                self.peers.send(peer, "prefill", id=rid, token_ids=req.prompt_token_ids,
+                                sampling=req.params.to_dict(), send_from=n_cached, dest=self.remote.address,
+                                dest_block_ids=dest_blocks)
+            except ConnectionError as exc:
+                self._fallback(rid, str(exc))
 
     def _abort(self, rid: str) -> None:
+        for i, (req, _) in enumerate(self.backlog):
+            if req.request_id == rid:
+                del self.backlog[i]
+                req.finish_reason, req.status = "abort", RequestStatus.FINISHED
+                self._send_output(self.engine.emit(req, []))
+                return
         peer = self.remote.cancel(rid) if self.remote is not None else None
         if peer is None:
             out = self.engine.abort_request(rid)
@@ -198,6 +222,7 @@ class DecodeWorker:
         if peer is None:
             return
         log.warning("prefill fallback: recomputing locally", request_id=rid, reason=reason)
+        self.stats.last_fallback_reason = reason
         self._tell_peer(peer, "abort", id=rid)
         self._after_release[rid] = "local"
 
@@ -211,6 +236,7 @@ class DecodeWorker:
             return
         if not rel.cancelled_by_us:
             log.warning("prefill fallback: recomputing locally", request_id=rel.request_id, reason=rel.reason)
+            self.stats.last_fallback_reason = rel.reason
         self.stats.fallbacks += 1
         self.engine.scheduler.compute_locally(rel.request_id)
 
@@ -235,21 +261,23 @@ class DecodeWorker:
             fields["stop_reason"] = out.outputs[0].stop_reason
         self.server.reply(identity, "output", **fields)
 
-    def _trace(self, rid: str, event: str) -> None:
+    def _trace(self, rid: str, event: str, ns: int | None = None) -> None:
+        """First time `event` happened to `rid` (CLOCK_MONOTONIC ns, comparable across local processes)."""
         traces = self.stats.traces
         if len(traces) > 10000:  # bounded: keep the newest requests' traces only
             traces.pop(next(iter(traces)))
-        traces.setdefault(rid, {}).setdefault(event, time.monotonic_ns())
+        traces.setdefault(rid, {}).setdefault(event, ns if ns is not None else time.monotonic_ns())
 
     def stats_dict(self) -> dict:
         sched, kv = self.engine.scheduler, self.engine.kv.stats()
         s = self.stats
         out = {
             "role": "decode", "running": len(sched.running), "waiting": len(sched.waiting),
-            "waiting_for_kv": len(sched.remote), "kv_blocks_total": kv.num_blocks, "kv_blocks_used": kv.used_blocks,
+            "waiting_for_kv": len(sched.remote), "backlog": len(self.backlog), "kv_blocks_total": kv.num_blocks, "kv_blocks_used": kv.used_blocks,
             "kv_usage": kv.usage, "prefix_queried_tokens": kv.prefix_queried_tokens,
             "prefix_hit_tokens": kv.prefix_hit_tokens, "preemptions": sched.num_preemptions,
             "remote_prefills": s.remote_prefills, "local_prefills": s.local_prefills, "fallbacks": s.fallbacks,
+            "last_fallback_reason": s.last_fallback_reason,
             "transferred_blocks": s.transferred_blocks, "reused_blocks": s.reused_blocks,
             "bad_messages": self.server.bad_frames, "errors": s.errors,
         }

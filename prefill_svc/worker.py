@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import structlog
@@ -48,6 +49,9 @@ class PrefillWorker:
         self.server = ControlServer(self.ctx, listen)
         self.sender = sender
         self.outbound: dict[str, Outbound] = {}
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-handshake")
+        self._handshakes: dict[str, Future] = {}  # destination -> connect() (idempotent once it succeeded)
+        self._awaiting: dict[str, tuple[bytes, dict, Future]] = {}  # request id -> waiting for its handshake
         self.traces: dict[str, dict[str, int]] = {}
         self.counters = {"prefills": 0, "failed": 0, "aborted": 0, "errors": 0}
         self._stopped = False
@@ -69,14 +73,15 @@ class PrefillWorker:
     def run_once(self) -> None:
         sched = self.engine.scheduler
         busy = bool(sched.running or sched.waiting)
-        self.server.sock.poll(0 if busy else 20)
+        self.server.sock.poll(0 if busy else (2 if self._awaiting else 20))
         for identity, msg in self.server.receive():
             try:
                 self.handle(identity, msg)
             except Exception as exc:  # never let one message take the worker down
                 self.counters["errors"] += 1
                 log.exception("message handling failed", error=str(exc))
-        if busy:
+        self._admit_handshaken()
+        if sched.running or sched.waiting:
             for out in self.engine.step():
                 if out.finished:
                     self._finished(out.request_id, out.token_ids, out.finish_reason)
@@ -89,6 +94,7 @@ class PrefillWorker:
         if kind == "prefill":
             self._prefill(identity, msg)
         elif kind == "abort":
+            self._awaiting.pop(msg["id"], None)
             if self.outbound.pop(msg["id"], None) is not None:
                 self.counters["aborted"] += 1
                 self.sender.cancel(msg["id"])
@@ -101,27 +107,47 @@ class PrefillWorker:
             self.server.reply(identity, "error", id=msg.get("id"), message=f"a prefill worker does not accept {kind!r}")
 
     def _prefill(self, identity: bytes, msg: dict) -> None:
-        rid, bs = msg["id"], self.engine.config.block_size
-        try:
-            params = dataclasses.replace(SamplingParams.from_dict(msg["sampling"]), max_tokens=1)
-            req = self.engine.make_request(rid, msg["token_ids"], params)
-            send_from = msg["send_from"]
-            if send_from % bs or not 0 <= send_from < req.num_tokens:
-                raise ValueError(f"send_from={send_from} must be a multiple of {bs} below the prompt length")
-            n_blocks = -(-req.num_tokens // bs) - send_from // bs
-            if len(msg["dest_block_ids"]) != n_blocks:
-                raise ValueError(f"expected {n_blocks} destination blocks, got {len(msg['dest_block_ids'])}")
-            self.sender.connect(msg["dest"])  # handshake (cached per destination)
-        except Exception as exc:  # validation or handshake: D falls back to computing locally
-            self.counters["failed"] += 1
-            self.server.reply(identity, "prefill_failed", id=rid, message=str(exc))
+        """Start the KV handshake with D off the loop (an unreachable `dest` must not stall P);
+        `_admit_handshaken` schedules the request once it is done."""
+        dest = msg["dest"]
+        if len(self._awaiting) >= 1024:  # bounded: a flood of prefills to dead peers cannot grow memory
+            self.server.reply(identity, "prefill_failed", id=msg["id"], message="too many pending KV handshakes")
             return
-        num_layers = self.engine.model_config.num_layers
-        self.outbound[rid] = Outbound(identity, msg["dest"], send_from // bs, list(msg["dest_block_ids"]),
-                                      [send_from // bs] * num_layers)
-        self._trace(rid, "received_ns")
-        self.engine.track(req)
-        self.engine.scheduler.add(req)
+        fut = self._handshakes.get(dest)
+        if fut is None or (fut.done() and fut.exception() is not None):
+            fut = self._handshakes[dest] = self._pool.submit(self.sender.connect, dest)
+        self._awaiting[msg["id"]] = (identity, msg, fut)
+
+    def _admit_handshaken(self) -> None:
+        for rid, (identity, msg, fut) in list(self._awaiting.items()):
+            if not fut.done():
+                continue
+            del self._awaiting[rid]
+            try:
+                fut.result()  # a layout mismatch (HandshakeError) is the real error: report it first
+                req, send_from = self._validated(msg)
+            except Exception as exc:  # D falls back to computing locally
+                self.counters["failed"] += 1
+                self.server.reply(identity, "prefill_failed", id=rid, message=str(exc))
+                continue
+            bs = self.engine.config.block_size
+            self.outbound[rid] = Outbound(identity, msg["dest"], send_from // bs, list(msg["dest_block_ids"]),
+                                          [send_from // bs] * self.engine.model_config.num_layers)
+            self._trace(rid, "received_ns")
+            self.engine.track(req)
+            self.engine.scheduler.add(req)
+
+    def _validated(self, msg: dict):
+        bs = self.engine.config.block_size
+        params = dataclasses.replace(SamplingParams.from_dict(msg["sampling"]), max_tokens=1)
+        req = self.engine.make_request(msg["id"], msg["token_ids"], params)
+        send_from = msg["send_from"]
+        if send_from % bs or not 0 <= send_from < req.num_tokens:
+            raise ValueError(f"send_from={send_from} must be a multiple of {bs} below the prompt length")
+        n_blocks = -(-req.num_tokens // bs) - send_from // bs
+        if len(msg["dest_block_ids"]) != n_blocks:
+            raise ValueError(f"expected {n_blocks} destination blocks, got {len(msg['dest_block_ids'])}")
+        return req, send_from
 
     def _finished(self, rid: str, token_ids: list[int], reason: str | None) -> None:
         job = self.outbound.pop(rid, None)
@@ -181,5 +207,6 @@ class PrefillWorker:
         return out
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self.server.close()
         self.sender.close()

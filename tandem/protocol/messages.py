@@ -11,7 +11,9 @@ message and keeps serving. `encode()` is the only way messages are built.
 | abort           | router -> D, D -> P | id                                                                   |
 | output          | D -> router       | id, token_ids (new), text (delta), finished, finish_reason, num_cached_tokens, num_prompt_tokens |
 | error           | any -> sender     | id (or None), message                                                  |
-| prefill         | D -> P            | id, token_ids, sampling, send_from, dest (KV receiver address), dest_block_ids, reply_to (D control address) |
+
+Replies go back on the socket identity the request came from (P answers D's own DEALER socket).
+| prefill         | D -> P            | id, token_ids, sampling, send_from, dest (KV receiver address), dest_block_ids |
 | prefill_done    | P -> D            | id, first_token                                                        |
 | prefill_failed  | P -> D            | id, message                                                            |
 | stats           | any -> worker     | (none)                                                                 |
@@ -44,7 +46,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
                "num_cached_tokens": _INT, "num_prompt_tokens": _INT},
     "error": {"id": _OPT_STR, "message": _STR},
     "prefill": {"id": _STR, "token_ids": _INTS, "sampling": _MAP, "send_from": _INT, "dest": _STR,
-                "dest_block_ids": _INTS, "reply_to": _STR},
+                "dest_block_ids": _INTS},
     "prefill_done": {"id": _STR, "first_token": _INT},
     "prefill_failed": {"id": _STR, "message": _STR},
     "stats": {},
