@@ -6,7 +6,7 @@ collected, and a part that is not built yet contributes nothing:
 
 - speculators: `plugins/speculators.py` exposes `SPECULATORS: dict[str, type]`
 - connectors:  `kvtransfer` exposes `CONNECTORS: dict[str, type]`
-- routing:     `router_svc/routing.py` exposes `ROUTING_POLICIES: dict[str, type]` (it imports nothing
+- routing:     `plugins/routing.py` exposes `ROUTING_POLICIES: dict[str, type]` (it imports nothing
                from the services beyond the engine's block hash, so loading it here stays cheap)
 """
 
@@ -57,4 +57,4 @@ def tandem_kv_connectors() -> dict[str, type[Any]]:
 
 @hookimpl
 def tandem_routing_policies() -> dict[str, type[Any]]:
-    return _optional_table("router_svc.routing", "ROUTING_POLICIES")
+    return _optional_table("plugins.routing", "ROUTING_POLICIES")

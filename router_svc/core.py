@@ -32,7 +32,7 @@ import structlog
 from router_svc import metrics
 from router_svc.errors import BadRequest, NoWorkers, Overloaded, RouterError, WorkerLost
 from router_svc.registry import Registry, Worker
-from router_svc.routing import RouteRequest, RoutingPolicy, prefix_key
+from plugins.routing import RouteRequest, RoutingPolicy, prefix_key
 from tandem.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)

@@ -26,7 +26,7 @@ from router_svc.links import ListenSocket, WorkerLinks
 from router_svc.openai_server import OpenAIApp
 from router_svc.prompts import ServedModel
 from router_svc.registry import Registry
-from router_svc.routing import resolve_policy
+from plugins.routing import resolve_policy
 
 log = structlog.get_logger(__name__)
 

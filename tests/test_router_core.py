@@ -15,7 +15,7 @@ def _workers(n: int, **stats):
 
 
 def test_prefix_affinity_keeps_shared_prefixes_together():
-    from router_svc.routing import PrefixAffinity, RouteRequest, prefix_key
+    from plugins.routing import PrefixAffinity, RouteRequest, prefix_key
 
     policy, workers = PrefixAffinity(), _workers(4)
     shared = list(range(100, 164))  # 4 full blocks of 16
@@ -34,7 +34,7 @@ def test_prefix_affinity_keeps_shared_prefixes_together():
 
 
 def test_least_loaded_and_round_robin():
-    from router_svc.routing import LeastLoaded, RoundRobin, RouteRequest
+    from plugins.routing import LeastLoaded, RoundRobin, RouteRequest
 
     req = RouteRequest("r", [1, 2, 3], b"k")
     workers = _workers(3, waiting=5, kv_usage=0.5)
@@ -74,7 +74,7 @@ def test_core_retries_unstarted_fails_started_and_admits_boundedly():
     from router_svc.core import Router
     from router_svc.errors import Overloaded, WorkerLost
     from router_svc.registry import Registry
-    from router_svc.routing import RoundRobin
+    from plugins.routing import RoundRobin
     from tandem.sampling_params import SamplingParams
 
     def out(rid, tokens, finished=False):

@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from router_svc.routing import resolve_policy
+    from plugins.routing import resolve_policy
     from router_svc.server import RouterConfig, serve
 
     for policy in (args.decode_policy, args.prefill_policy):
