@@ -190,6 +190,30 @@ def test_preemption_stop_tokens_and_logprobs_under_speculation(llama):
         check_clean(llm)
 
 
+def test_stop_string_inside_an_accepted_run_cuts_tokens_too(llama):
+    """The stop string is the output text up to the first token of a multi-token accepted run, so it
+    completes mid-run; tokens and text must equal the non-speculative run's."""
+    path, draft = llama
+    prompt = repeating_prompts(seed=3)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    llm = LLM(path, num_kv_blocks=128, max_model_len=256, speculator="ngram")
+    eng, runs = llm.engine, []
+    eng.add_request(None, prompt, greedy)
+    while eng.has_unfinished_requests():
+        runs += [o.new_token_ids for o in eng.step()]
+    toks = [t for run in runs for t in run]
+    decode = eng.tokenizer.decode
+    starts = [sum(map(len, runs[:i])) for i, run in enumerate(runs) if len(run) > 1]
+    stop = next(decode(toks[:a + 1]) for a in starts if not decode(toks[:a + 1]).endswith("\ufffd")
+                and len(decode(toks[:a + 1])) > len(decode(toks[:a])))
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=[stop])
+    want = LLM(path, num_kv_blocks=128, max_model_len=256).generate([prompt], params)[0]
+    assert want.finish_reason == "stop" and len(want.token_ids) < 48
+    for name in ("ngram", "draft_model"):
+        got = LLM(path, num_kv_blocks=128, max_model_len=256, speculator=name, draft_model=draft).generate([prompt], params)[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, "stop")
+
+
 def test_tight_token_budget_drops_speculation_without_changing_output(llama):
     """A budget of 8 tokens cannot verify every request's 1 + 4 tokens: some run without their
     proposal or are skipped for a step; output stays the non-speculative one."""

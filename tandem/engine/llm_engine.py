@@ -10,6 +10,7 @@ RequestOutputs with incremental text, stop strings, aborts.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,7 @@ import torch
 from plugins.registry import resolve_eviction, resolve_quantizer
 from tandem.config import EngineConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
-from tandem.engine.model_runner import ModelRunner
+from tandem.engine.model_runner import ModelRunner, StepResult
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
 from tandem.models.config import ModelConfig
@@ -151,6 +152,8 @@ class LLMEngine:
             return []
         result = self.runner.execute(out)
         before = {s.request.request_id: s.request.num_tokens for s in out.scheduled}
+        if self.speculator is not None:
+            self._cut_runs_at_stop_strings(result)
         changed = self.scheduler.update(out, result.sampled)
         outputs = []
         for req in changed:
@@ -159,6 +162,24 @@ class LLMEngine:
                 self._record_logprobs(req, result.logits[req.request_id], new_ids)
             outputs.append(self._output(req, new_ids))
         return outputs
+
+    def _cut_runs_at_stop_strings(self, result: StepResult) -> None:
+        """A stop string completed inside an accepted run ends the request there, as one-token steps
+        would: replay the run through a copy of the detokenizer token by token (only for requests
+        with stop strings and a multi-token run) and cut the run before `update` appends it."""
+        for rid, run in result.sampled.items():
+            req, detok = self.scheduler.requests.get(rid), self._detok.get(rid)
+            if len(run) < 2 or req is None or not req.params.stop or detok is None:
+                continue
+            sim = copy.deepcopy(detok, {id(detok.tokenizer): detok.tokenizer})  # shares only the tokenizer
+            before = self._text.get(rid, "")
+            text, lookback = before, max(len(before) - max(map(len, req.params.stop)) + 1, 0)
+            for i, t in enumerate(run[:-1]):
+                text += sim.add([t])
+                if any(stop in text[lookback:] for stop in req.params.stop):
+                    result.sampled[rid] = run[:i + 1]
+                    result.logits[rid] = result.logits[rid][:i + 1]
+                    break
 
     def _speculate(self) -> None:
         """Ask the speculator for proposals for the decoding requests; they ride along in this step's
