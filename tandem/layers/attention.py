@@ -16,7 +16,7 @@ from torch import nn
 
 from kernels import KernelOps
 from tandem.layers.norm import RMSNorm
-from tandem.layers.rotary import RotaryEmbedding
+from tandem.layers.rotary import apply_rotary
 
 
 @dataclass(slots=True)
@@ -40,7 +40,7 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -52,9 +52,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -62,7 +61,7 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, rope)
         ops = meta.ops
         cache = meta.kv_caches[self.layer_idx]
         scales = meta.kv_scales[self.layer_idx] if meta.kv_scales is not None else None

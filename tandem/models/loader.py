@@ -69,10 +69,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_position
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # Non-persistent buffers (rotary cos/sin) were created on meta: rebuild them for real.
-    rotary = model.model.layers[0].self_attn.rotary
-    real = type(rotary)(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling).to(device)
-    for layer in model.model.layers:
-        layer.self_attn.rotary = real
+    model.model.rotary = type(model.model.rotary)(cfg.head_dim, max_positions, cfg.rope_theta,
+                                                  cfg.rope_scaling).to(device)
     return model.eval()
 
 
