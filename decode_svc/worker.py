@@ -259,6 +259,11 @@ class DecodeWorker:
                       num_prompt_tokens=len(out.prompt_token_ids))
         if out.finished:
             fields["stop_reason"] = out.outputs[0].stop_reason
+        logprobs = out.outputs[0].logprobs
+        if logprobs is not None and out.new_token_ids:
+            # Per new token: [[token_id, logprob], ...] (msgpack maps here need string keys).
+            fields["logprobs"] = [[[t, lp] for t, lp in entry.items()]
+                                  for entry in logprobs[-len(out.new_token_ids):]]
         self.server.reply(identity, "output", **fields)
 
     def _trace(self, rid: str, event: str, ns: int | None = None) -> None:

@@ -258,3 +258,28 @@ def test_fuzzed_control_sockets_keep_serving(ckpt, offline, tmp_path):
         assert decode.popen.poll() is None and prefill.popen.poll() is None
     finally:
         stop_all([decode, prefill])
+
+
+def test_colocated_worker_streams_logprobs(ckpt, offline, tmp_path):
+    decode, d_addr = start_worker("decode", ckpt, tmp_path, "--kv-connector", "none")
+    try:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(d_addr["control"])
+        sampling = dict(GREEDY, logprobs=2)
+        sock.send(messages.encode("add_request", id="lp", token_ids=[5, 6, 7], sampling=sampling, prefill_peer=None))
+        tokens, entries = [], []
+        while True:
+            assert sock.poll(30000)
+            msg = messages.decode(sock.recv())
+            tokens += msg["token_ids"]
+            entries += msg.get("logprobs") or []
+            if msg["finished"]:
+                break
+        ref = offline.generate([[5, 6, 7]], SamplingParams(**sampling))[0]
+        assert tokens == ref.token_ids and len(entries) == len(tokens)
+        for entry, expected in zip(entries, ref.outputs[0].logprobs):
+            assert {t: pytest.approx(lp, abs=1e-4) for t, lp in entry} == expected
+        sock.close()
+    finally:
+        stop_all([decode])
