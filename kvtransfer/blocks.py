@@ -1,0 +1,70 @@
+"""Block copies between a paged cache and a packed buffer (or another cache), for every connector.
+
+Block ids handed out by a block pool are often consecutive, and a slice copy moves a run of
+consecutive blocks with one memcpy; fragmented ids fall back to the kernels' gather/scatter ops
+(`kernels.get_ops`: Triton on CUDA, torch reference on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import KernelOps
+
+MAX_SLICE_RUNS = 8  # past this many runs, per-run Python overhead beats one gather/scatter pass
+
+
+def block_runs(dst_ids: list[int], src_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(dst_start, src_start, length) for maximal runs where both id lists advance by one."""
+    runs: list[tuple[int, int, int]] = []
+    for d, s in zip(dst_ids, src_ids):
+        if runs:
+            d0, s0, n = runs[-1]
+            if d == d0 + n and s == s0 + n:
+                runs[-1] = (d0, s0, n + 1)
+                continue
+        runs.append((d, s, 1))
+    return runs
+
+
+def _index(ids: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def gather(ops: KernelOps, cache: torch.Tensor, ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """cache[ids] packed contiguously into `out` (allocated if None)."""
+    runs = block_runs(list(range(len(ids))), ids)
+    if out is None:
+        out = torch.empty((len(ids), *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+    if len(runs) <= MAX_SLICE_RUNS:
+        for d, s, n in runs:
+            out[d:d + n].copy_(cache[s:s + n])
+        return out
+    if out.device != cache.device:
+        out.copy_(ops.gather_blocks(cache, _index(ids, cache.device)))
+        return out
+    return ops.gather_blocks(cache, _index(ids, cache.device), out=out)
+
+
+def scatter(ops: KernelOps, cache: torch.Tensor, ids: list[int], packed: torch.Tensor) -> None:
+    """Write packed blocks [n, ...] into cache[ids]; packed may live on another device."""
+    runs = block_runs(ids, list(range(len(ids))))
+    if len(runs) <= MAX_SLICE_RUNS:
+        for d, s, n in runs:
+            cache[d:d + n].copy_(packed[s:s + n])
+        return
+    ops.scatter_blocks(cache, _index(ids, cache.device), packed.to(cache.device))
+
+
+def copy_blocks(
+    ops: KernelOps, dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int],
+    staging: torch.Tensor | None = None,
+) -> None:
+    """dst[dst_ids[i]] = src[src_ids[i]] with one copy per run, or gather into `staging` + scatter."""
+    runs = block_runs(dst_ids, src_ids)
+    if len(runs) <= MAX_SLICE_RUNS:
+        for d, s, n in runs:
+            dst[d:d + n].copy_(src[s:s + n])
+        return
+    packed = gather(ops, src, src_ids, out=None if staging is None else staging[: len(src_ids)])
+    scatter(ops, dst, dst_ids, packed)
