@@ -25,6 +25,8 @@ import zmq
 
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.request import Request, RequestStatus
+from tandem.observability.logging import prompts_enabled, request_context
+from tandem.observability.worker_metrics import NO_METRICS
 from tandem.outputs import RequestOutput
 from tandem.protocol.channel import ControlServer, PeerClients
 from tandem.sampling_params import SamplingParams
@@ -63,6 +65,7 @@ class DecodeWorker:
         self.backlog: deque[tuple[Request, str]] = deque()  # waiting for blocks to receive remote KV into
         self._stopped = False
         self.registrar = registrar  # router registration (issue 5): tandem.protocol.registration.Registrar
+        self.obs = NO_METRICS  # observability (issue 8): WorkerMetrics (step/queue/transfer timings), set by the CLI
 
     @property
     def address(self) -> str:
@@ -87,9 +90,11 @@ class DecodeWorker:
         self.peers.register(poller)
         poller.poll(0 if runnable else (2 if waiting_kv else 20))
         for identity, msg in self.server.receive():
-            self._safely(self.handle, identity, msg)
+            with request_context(msg.get("id")):  # observability (issue 8): request_id on every line
+                self._safely(self.handle, identity, msg)
         for _peer, msg in self.peers.receive():
-            self._safely(self.handle_peer, msg)
+            with request_context(msg.get("id")):
+                self._safely(self.handle_peer, msg)
         self._dispatch_backlog()
         if self.remote is not None:
             ready, released = self.remote.poll()
@@ -98,7 +103,10 @@ class DecodeWorker:
             for rel in released:
                 self._released(rel)
         if sched.running or sched.waiting:
-            for out in self.engine.step():
+            t0 = time.monotonic()
+            outs = self.engine.step()
+            self.obs.step_done(self.engine.current_schedule, t0, outs)  # observability (issue 8)
+            for out in outs:
                 self._send_output(out)
         if self.registrar is not None:  # router registration (issue 5): heartbeat every interval
             self.registrar.tick(self.stats_dict)
@@ -147,6 +155,11 @@ class DecodeWorker:
         self.clients[rid] = identity
         self.engine.track(req)
         self._trace(rid, "added_ns")
+        if prompts_enabled():  # observability (issue 8): prompt text only with --log-prompts
+            log.info("request added", prompt_tokens=req.num_prompt_tokens, prefill_peer=msg["prefill_peer"],
+                     prompt=self.engine.tokenizer.decode(req.prompt_token_ids))
+        else:
+            log.debug("request added", prompt_tokens=req.num_prompt_tokens, prefill_peer=msg["prefill_peer"])
         if msg["prefill_peer"] is None or self.remote is None:
             self.engine.scheduler.add(req)  # colocated: this worker prefills
             self.stats.local_prefills += 1
@@ -173,6 +186,7 @@ class DecodeWorker:
                 continue
             dest_blocks = req.block_ids[n_cached // bs:]
             self.remote.expect(rid, peer, dest_blocks)
+            self.obs.request_started(req)  # observability (issue 8): its queue time ends here
             self.stats.remote_prefills += 1
             self.stats.transferred_blocks += len(dest_blocks)
             try:
@@ -183,6 +197,7 @@ class DecodeWorker:
                 self._fallback(rid, str(exc))
 
     def _abort(self, rid: str) -> None:
+        log.info("request aborted")  # observability (issue 8): request_id is bound by run_once
         for i, (req, _) in enumerate(self.backlog):
             if req.request_id == rid:
                 del self.backlog[i]
@@ -210,6 +225,7 @@ class DecodeWorker:
         if req is None:
             return
         self._trace(rid, "kv_ready_ns")
+        self.obs.transfer_done(self.stats.traces.get(rid))  # observability (issue 8)
         before = req.num_tokens
         self.engine.scheduler.remote_kv_arrived(rid, first_token)
         self._send_output(self.engine.emit(req, req.token_ids[before:]))
@@ -264,6 +280,12 @@ class DecodeWorker:
             # Per new token: [[token_id, logprob], ...] (msgpack maps here need string keys).
             fields["logprobs"] = [[[t, lp] for t, lp in entry.items()]
                                   for entry in logprobs[-len(out.new_token_ids):]]
+            queue_time = self.obs.queue_time(out.request_id)  # observability (issue 8): for the router's histogram
+            if queue_time is not None:
+                fields["queue_time_s"] = queue_time
+            log.info("request finished", request_id=out.request_id, finish_reason=out.finish_reason,
+                     prompt_tokens=len(out.prompt_token_ids), cached_tokens=out.num_cached_tokens,
+                     output_tokens=len(out.outputs[0].token_ids))
         self.server.reply(identity, "output", **fields)
 
     def _trace(self, rid: str, event: str, ns: int | None = None) -> None:

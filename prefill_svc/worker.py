@@ -24,6 +24,8 @@ import structlog
 import zmq
 
 from tandem.engine.llm_engine import LLMEngine
+from tandem.observability.logging import prompts_enabled, request_context
+from tandem.observability.worker_metrics import NO_METRICS
 from tandem.protocol.channel import ControlServer
 from tandem.sampling_params import SamplingParams
 
@@ -56,6 +58,7 @@ class PrefillWorker:
         self.counters = {"prefills": 0, "failed": 0, "aborted": 0, "errors": 0}
         self._stopped = False
         self.registrar = registrar  # router registration (issue 5): tandem.protocol.registration.Registrar
+        self.obs = NO_METRICS  # observability (issue 8): WorkerMetrics (step/queue timings), set by the CLI
         engine.runner.layer_hook = self._on_layer_stored
 
     @property
@@ -75,14 +78,18 @@ class PrefillWorker:
         busy = bool(sched.running or sched.waiting)
         self.server.sock.poll(0 if busy else (2 if self._awaiting else 20))
         for identity, msg in self.server.receive():
-            try:
-                self.handle(identity, msg)
-            except Exception as exc:  # never let one message take the worker down
-                self.counters["errors"] += 1
-                log.exception("message handling failed", error=str(exc))
+            with request_context(msg.get("id")):  # observability (issue 8): request_id on every line
+                try:
+                    self.handle(identity, msg)
+                except Exception as exc:  # never let one message take the worker down
+                    self.counters["errors"] += 1
+                    log.exception("message handling failed", error=str(exc))
         self._admit_handshaken()
         if sched.running or sched.waiting:
-            for out in self.engine.step():
+            t0 = time.monotonic()
+            outs = self.engine.step()
+            self.obs.step_done(self.engine.current_schedule, t0, outs)  # observability (issue 8)
+            for out in outs:
                 if out.finished:
                     self._finished(out.request_id, out.token_ids, out.finish_reason)
         if self.registrar is not None:  # router registration (issue 5): heartbeat every interval
@@ -128,12 +135,18 @@ class PrefillWorker:
                 req, send_from = self._validated(msg)
             except Exception as exc:  # D falls back to computing locally
                 self.counters["failed"] += 1
+                log.warning("prefill refused", request_id=rid, dest=msg["dest"], error=str(exc))  # issue 8
                 self.server.reply(identity, "prefill_failed", id=rid, message=str(exc))
                 continue
             bs = self.engine.config.block_size
             self.outbound[rid] = Outbound(identity, msg["dest"], send_from // bs, list(msg["dest_block_ids"]),
                                           [send_from // bs] * self.engine.model_config.num_layers)
             self._trace(rid, "received_ns")
+            if prompts_enabled():  # observability (issue 8): prompt text only with --log-prompts
+                log.info("prefill admitted", request_id=rid, prompt_tokens=req.num_prompt_tokens, send_from=send_from,
+                         prompt=self.engine.tokenizer.decode(req.prompt_token_ids))
+            else:
+                log.debug("prefill admitted", request_id=rid, prompt_tokens=req.num_prompt_tokens, send_from=send_from)
             self.engine.track(req)
             self.engine.scheduler.add(req)
 
@@ -160,6 +173,7 @@ class PrefillWorker:
         self.sender.finish(rid, 0.0, job.dest)
         self.counters["prefills"] += 1
         self._trace(rid, "done_ns")
+        log.info("prefill finished", request_id=rid, dest=job.dest, blocks=len(job.dest_block_ids))  # issue 8
         self.server.reply(job.identity, "prefill_done", id=rid, first_token=token_ids[0])
 
     # ---- layer-wise push -------------------------------------------------------------------------

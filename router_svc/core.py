@@ -68,6 +68,7 @@ class Flight:
     attempts: int = 0
     done: bool = False
     started: float = field(default_factory=time.monotonic)
+    stats: metrics.FlightStats = field(default_factory=metrics.FlightStats)  # observability (issue 8)
 
 
 class Router:
@@ -119,8 +120,10 @@ class Router:
                 continue
             flight.decode, flight.prefill, flight.attempts = d, p, flight.attempts + 1
             d.inflight += 1
+            metrics.routed("decode", self.decode_policy, d)  # observability (issue 8)
             if p is not None:
                 p.inflight += 1
+                metrics.routed("prefill", self.prefill_policy, p)  # observability (issue 8)
             flight.log.debug("dispatched", decode=d.worker_id, prefill=p.worker_id if p else None)
             return
 
@@ -146,13 +149,11 @@ class Router:
 
     def _on_output(self, flight: Flight, msg: dict[str, Any]) -> None:
         self._release_prefill(flight)
-        if flight.tokens_out == 0 and msg["token_ids"]:
-            metrics.TTFT.observe(time.monotonic() - flight.started)
+        metrics.on_output(flight, msg)  # observability (issue 8): TTFT, ITL, tokens, e2e, queue time
         flight.tokens_out += len(msg["token_ids"])
         chunk = Chunk(msg["token_ids"], msg["text"], msg["finished"], msg["finish_reason"], msg.get("stop_reason"),
                       msg["num_prompt_tokens"], msg["num_cached_tokens"], msg.get("logprobs"))
         if chunk.finished:
-            metrics.DURATION.observe(time.monotonic() - flight.started)
             self._end(flight, chunk)
         else:
             flight.queue.put_nowait(chunk)

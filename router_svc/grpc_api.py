@@ -11,6 +11,7 @@ UNAVAILABLE (no decode worker / worker lost).
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, AsyncIterator
 
 import grpc
@@ -25,6 +26,7 @@ from router_svc.openai_api import SAMPLING_NAMES
 from router_svc.prompts import ServedModel
 from tandem.protocol import generation_pb2 as pb
 from tandem.protocol import generation_pb2_grpc as pb_grpc
+from tandem.observability.logging import bind_request
 from tandem.sampling_params import SamplingParams
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -81,11 +83,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
         stream, ended_by = None, None
+        rid = request.request_id or f"req-{uuid.uuid4().hex}"  # observability (issue 8): bound for all lines
+        bind_request(rid)  # grpc.aio runs each RPC in its own task: the binding ends with it
         try:
             self.model.check_model(request.model)
             ids = prompt_from_proto(request, self.model)
             params = sampling_from_proto(request.sampling)
-            stream = self.router.submit(ids, params, request.request_id or None)
+            stream = self.router.submit(ids, params, rid)
+            metrics.request_admitted(rid, ids, self.model)
             completion_tokens = [0]
             async for chunk in stream:
                 completion_tokens[0] += len(chunk.token_ids)
@@ -101,7 +106,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             if stream is not None:
                 stream.close()
-            metrics.REQUESTS.labels("grpc", metrics.outcome_of(ended_by)).inc()
+            metrics.request_ended("grpc", ended_by, stream, rid)  # observability (issue 8)
 
 
 async def start_grpc(router: Router, model: ServedModel, host: str, port: int

@@ -11,6 +11,7 @@ after streaming began is sent as a final SSE `data: {"error": ...}` event.
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -23,6 +24,7 @@ from router_svc.openai_api import (Totals, final_response, format_logprobs, pars
                                    stream_chunk, usage_chunk)
 from router_svc.prompts import ServedModel
 from router_svc.registry import Registry
+from tandem.observability.logging import bind_request
 
 
 class OpenAIApp:
@@ -70,13 +72,18 @@ class OpenAIApp:
     async def generate(self, request: Request, response: Response, chat: bool) -> None:
         api = "chat" if chat else "completions"
         stream, ended_by = None, None
+        # observability (issue 8): the id is fixed before parsing so every line of this request carries it
+        rid = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
+        bind_request(rid)  # this handler runs in its own task: the binding ends with it
+        response.extra_headers["X-Request-Id"] = rid
         try:
             try:
                 body = request.json()
             except (ValueError, UnicodeDecodeError):
                 raise BadRequest("the request body is not valid JSON") from None
             parsed = (parse_chat if chat else parse_completion)(body, self.model)
-            stream = self.router.submit(parsed.token_ids, parsed.params, request.headers.get("x-request-id") or None)
+            stream = self.router.submit(parsed.token_ids, parsed.params, rid)
+            metrics.request_admitted(rid, parsed.token_ids, self.model)
             if parsed.stream:
                 await self._stream(stream, response, chat, parsed.include_usage)
             else:
@@ -94,7 +101,7 @@ class OpenAIApp:
         finally:
             if stream is not None:
                 stream.close()
-            metrics.REQUESTS.labels(api, metrics.outcome_of(ended_by)).inc()
+            metrics.request_ended(api, ended_by, stream, rid)  # observability (issue 8)
 
     async def _collect(self, stream: Any, response: Response, chat: bool) -> None:
         totals, logprobs = Totals(), []

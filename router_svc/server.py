@@ -18,7 +18,9 @@ from typing import Callable
 
 import structlog
 import zmq.asyncio
+from prometheus_client import REGISTRY
 
+from router_svc import metrics
 from router_svc.core import Router
 from router_svc.grpc_api import set_health, start_grpc
 from router_svc.http_server import HttpServer
@@ -49,6 +51,7 @@ class RouterConfig:
     block_size: int = 16
     affinity_blocks: int = 4
     tick_s: float = 0.1
+    metrics_port: int | None = None  # observability (issue 8): also serve /metrics here (0 = any free port)
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "block_size", "affinity_blocks"):
@@ -69,6 +72,8 @@ class RouterService:
         self.router: Router | None = None
         self.endpoints: dict[str, str] = {}
         self._tasks: list[asyncio.Task] = []
+        self._metrics_server = None  # observability (issue 8): MetricsServer on --metrics-port
+        self._collector: metrics.WorkerCollector | None = None
 
     async def start(self) -> dict[str, str]:
         cfg = self.config
@@ -87,7 +92,21 @@ class RouterService:
         shown = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host
         self.endpoints = {"http": f"http://{shown}:{http_port}", "grpc": f"{shown}:{grpc_port}",
                           "listen": self.listen.address}
+        self._start_metrics(cfg)
         return self.endpoints
+
+    def _start_metrics(self, cfg: RouterConfig) -> None:
+        """observability (issue 8): per-worker series at scrape time; /metrics on the HTTP port, and
+        on --metrics-port when given."""
+        from tandem.observability.http import MetricsServer
+
+        self._collector = metrics.WorkerCollector(self.registry)
+        REGISTRY.register(self._collector)
+        self.endpoints["metrics"] = self.endpoints["http"] + "/metrics"
+        if cfg.metrics_port is not None:
+            live = lambda: (bool(self.registry.live("decode")), {"service": "router"})  # noqa: E731
+            self._metrics_server = MetricsServer(cfg.host, cfg.metrics_port, REGISTRY, live)
+            self.endpoints["metrics"] = self._metrics_server.url
 
     def _on_worker_message(self, address: str, msg: dict) -> None:
         assert self.router is not None
@@ -132,6 +151,10 @@ class RouterService:
             self.links.close()
         self.listen.close()
         self.ctx.term()
+        if self._metrics_server is not None:  # observability (issue 8)
+            self._metrics_server.close()
+        if self._collector is not None:
+            REGISTRY.unregister(self._collector)
 
 
 def print_endpoints(model: ServedModel, endpoints: dict[str, str], file=sys.stdout) -> None:
@@ -139,7 +162,8 @@ def print_endpoints(model: ServedModel, endpoints: dict[str, str], file=sys.stdo
     print(f"  http    {endpoints['http']}  (OpenAI /v1/completions /v1/chat/completions /v1/models; /health /metrics)",
           file=file)
     print(f"  grpc    {endpoints['grpc']}  (tandem.v1.Generation, grpc.health.v1.Health, reflection)", file=file)
-    print(f"  listen  {endpoints['listen']}  (workers register here)", file=file, flush=True)
+    print(f"  listen  {endpoints['listen']}  (workers register here)", file=file)
+    print(f"  metrics {endpoints['metrics']}  (Prometheus)", file=file, flush=True)  # observability (issue 8)
 
 
 async def serve(config: RouterConfig, on_ready: Callable[[RouterService], None] | None = None) -> None:

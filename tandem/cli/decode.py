@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.cli.worker_common import add_worker_args, announce, build_engine, make_registrar, serve
+from tandem.cli.worker_common import (add_worker_args, announce, build_engine, make_registrar, serve, start_logging,
+                                      worker_id)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from decode_svc.worker import DecodeWorker
     from tandem.engine.kv_layout import attach_receiver
+    from tandem.observability.cli import setup_worker_observability
 
+    start_logging(args, "decode")  # observability (issue 8)
     if args.local_prefill_threshold < 0:
         raise ValueError("--local-prefill-threshold must be >= 0")
     if args.prefill_timeout <= 0:
@@ -37,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
         receiver = attach_receiver(engine, args.kv_connector, bind, timeout_s=args.prefill_timeout)
     worker = DecodeWorker(engine, args.listen, receiver, args.local_prefill_threshold, args.prefill_timeout)
     worker.registrar = make_registrar(args, "decode", worker.address, engine.config.model)
-    announce("decode", control=worker.address, kv=receiver.address if receiver else None)
+    # observability (issue 8): without a KV connector this worker is colocated: metrics role "both"
+    metrics = setup_worker_observability(args, worker, "decode" if receiver else "both", worker_id(args, "decode"))
+    announce("decode", control=worker.address, kv=receiver.address if receiver else None, metrics=metrics)
     return serve(worker)
 
 

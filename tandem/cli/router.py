@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from tandem.cli.engine_args import add_model_arg, resolve_model
+from tandem.observability.cli import add_observability_args, setup_logging  # observability (issue 8)
 
 _POLICY_HELP = "round_robin | least_loaded | prefix_affinity, or a plugin's (see `tandem plugins`)"
 
@@ -38,6 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (for prefix affinity)")
     p.add_argument("--affinity-blocks", type=int, default=4,
                    help="prefix_affinity keys on this many leading blocks of the prompt")
+    add_observability_args(p, worker=False)  # observability (issue 8): --metrics-port, --log-level, --log-prompts
     p.set_defaults(func=run)
 
 
@@ -46,7 +48,10 @@ def run(args: argparse.Namespace) -> int:
 
     from plugins.routing import resolve_policy
     from router_svc.server import RouterConfig, serve
+    from tandem.observability.logging import bind_service
 
+    setup_logging(args)  # observability (issue 8)
+    bind_service(service="router")
     for policy in (args.decode_policy, args.prefill_policy):
         resolve_policy(policy)  # an unknown name fails here, before any port is bound
     config = RouterConfig(model=resolve_model(args.model), served_model_name=args.served_model_name, host=args.host,
@@ -54,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
                           decode=args.decode, prefill=args.prefill, decode_policy=args.decode_policy,
                           prefill_policy=args.prefill_policy, max_inflight=args.max_inflight,
                           static_timeout_s=args.static_timeout, heartbeat_misses=args.heartbeat_misses,
-                          block_size=args.block_size, affinity_blocks=args.affinity_blocks)
+                          block_size=args.block_size, affinity_blocks=args.affinity_blocks,
+                          metrics_port=args.metrics_port)
     asyncio.run(serve(config))
     return 0

@@ -9,6 +9,8 @@ import signal
 import sys
 
 from tandem.cli.engine_args import add_engine_args, add_model_arg, engine_config_from_args, resolve_model
+from tandem.observability.cli import add_observability_args, setup_logging  # observability (issue 8)
+from tandem.observability.logging import bind_service  # observability (issue 8)
 
 
 def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -20,6 +22,18 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--worker-id", default=None, help="name reported to the router (default: role-pid)")
     p.add_argument("--advertise", default=None, help="control address the router should use (default: the bound one)")
     add_engine_args(p)
+    add_observability_args(p, worker=True)  # observability (issue 8): --metrics-port, --log-level, --log-prompts
+
+
+# ---- observability (issue 8) ----------------------------------------------------------------------
+def worker_id(args: argparse.Namespace, role: str) -> str:
+    """The worker's name: reported to the router, a label of its metrics, bound in its logs."""
+    return args.worker_id or f"{role}-{os.getpid()}"
+
+
+def start_logging(args: argparse.Namespace, role: str) -> None:
+    setup_logging(args)
+    bind_service(service=role, worker_id=worker_id(args, role))
 
 
 def build_engine(args: argparse.Namespace, role: str):
@@ -35,8 +49,8 @@ def make_registrar(args: argparse.Namespace, role: str, control_address: str, mo
 
     from tandem.protocol.registration import Registrar
 
-    worker_id = args.worker_id or f"{role}-{os.getpid()}"
-    return Registrar(zmq.Context.instance(), args.router, worker_id, role, args.advertise or control_address, model)
+    return Registrar(zmq.Context.instance(), args.router, worker_id(args, role), role,
+                     args.advertise or control_address, model)
 
 
 def announce(role: str, **addresses: str) -> None:
