@@ -275,17 +275,17 @@ class DecodeWorker:
                       num_prompt_tokens=len(out.prompt_token_ids))
         if out.finished:
             fields["stop_reason"] = out.outputs[0].stop_reason
-        logprobs = out.outputs[0].logprobs
-        if logprobs is not None and out.new_token_ids:
-            # Per new token: [[token_id, logprob], ...] (msgpack maps here need string keys).
-            fields["logprobs"] = [[[t, lp] for t, lp in entry.items()]
-                                  for entry in logprobs[-len(out.new_token_ids):]]
             queue_time = self.obs.queue_time(out.request_id)  # observability (issue 8): for the router's histogram
             if queue_time is not None:
                 fields["queue_time_s"] = queue_time
             log.info("request finished", request_id=out.request_id, finish_reason=out.finish_reason,
                      prompt_tokens=len(out.prompt_token_ids), cached_tokens=out.num_cached_tokens,
                      output_tokens=len(out.outputs[0].token_ids))
+        logprobs = out.outputs[0].logprobs
+        if logprobs is not None and out.new_token_ids:
+            # Per new token: [[token_id, logprob], ...] (msgpack maps here need string keys).
+            fields["logprobs"] = [[[t, lp] for t, lp in entry.items()]
+                                  for entry in logprobs[-len(out.new_token_ids):]]
         self.server.reply(identity, "output", **fields)
 
     def _trace(self, rid: str, event: str, ns: int | None = None) -> None:
