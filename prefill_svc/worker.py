@@ -169,8 +169,8 @@ class PrefillWorker:
         if reason == "abort" or not token_ids:
             return
         # Every layer was handed to the sender during the forward pass; "done" follows them on the
-        # same link, so D sees it after the last block. Don't wait for D's ack here (timeout 0).
-        self.sender.finish(rid, 0.0, job.dest)
+        # same link, so D sees it after the last block. D's ack is not awaited: P moves on.
+        self.sender.finish_async(rid, job.dest)
         self.counters["prefills"] += 1
         self._trace(rid, "done_ns")
         log.info("prefill finished", request_id=rid, dest=job.dest, blocks=len(job.dest_block_ids))  # issue 8
