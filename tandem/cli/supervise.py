@@ -1,0 +1,258 @@
+"""Child-process supervision shared by `tandem up` and `tandem launch`: start tethered children in
+their own sessions, relay and remember their output, wait for their ready lines and for the router
+to see every worker, print the endpoints, and stop everything — in order on a signal, all of it
+when one child dies.
+
+A Supervisor is driven from the main thread; one reader thread per child drains its output (so a
+chatty child never blocks on a full pipe) into a bounded tail plus, until it is ready, the list of
+start-up lines the ready checks search.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable
+
+STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
+TAIL_LINES = 40  # a dead child's last lines, shown in the error report
+
+
+class ChildExited(RuntimeError):
+    def __init__(self, name: str, code: int | None, tail: list[str]) -> None:
+        super().__init__(f"{name} exited unexpectedly (exit code {code})")
+        self.name, self.code, self.tail = name, code, tail
+
+
+class Stopped(Exception):
+    """Raised in the main thread by SIGINT / SIGTERM / SIGHUP: an orderly shutdown."""
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    argv: list[str]
+    popen: subprocess.Popen
+    startup: list[str] = field(default_factory=list)  # every line until the child is ready
+    tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    ready: bool = False
+    reader: threading.Thread | None = None
+
+
+class Supervisor:
+    def __init__(self, echo: bool = True) -> None:
+        self.echo = echo
+        self.children: dict[str, Child] = {}
+        self._cond = threading.Condition()
+        self._print_lock = threading.Lock()
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Child:
+        # start_new_session: a terminal's Ctrl-C reaches only us, and killpg() reaches the child's
+        # own children (ssh's, for remote ones). stdin=PIPE is the tether: it closes when we die.
+        popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 env=env, start_new_session=True, bufsize=0)
+        child = Child(name, argv, popen)
+        child.reader = threading.Thread(target=self._read, args=(child,), name=f"read-{name}", daemon=True)
+        self.children[name] = child
+        child.reader.start()
+        return child
+
+    def _read(self, child: Child) -> None:
+        assert child.popen.stdout is not None
+        for raw in iter(child.popen.stdout.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            with self._cond:
+                child.tail.append(line)
+                if not child.ready:
+                    child.startup.append(line)
+                self._cond.notify_all()
+            if self.echo:
+                with self._print_lock:
+                    print(f"[{child.name}] {line}", file=sys.stderr, flush=True)
+        with self._cond:
+            self._cond.notify_all()
+
+    def check(self) -> None:
+        """Raise ChildExited for the first child that is no longer running."""
+        for child in self.children.values():
+            code = child.popen.poll()
+            if code is not None:
+                if child.reader is not None:
+                    child.reader.join(1.0)  # its last words
+                raise ChildExited(child.name, code, list(child.tail))
+
+    def wait_for(self, child: Child, patterns: list[str], timeout: float) -> list[re.Match]:
+        """Wait until each regex matches a start-up line of `child` (MULTILINE), then mark it ready."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._cond:
+                text = "\n".join(child.startup)
+                found = [re.search(p, text, re.MULTILINE) for p in patterns]
+                if all(found):
+                    child.ready, child.startup = True, []
+                    return found  # type: ignore[return-value]
+                self._cond.wait(0.1)
+            self.check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{child.name} did not become ready within {timeout:.0f}s")
+
+    def router_endpoints(self, child: Child, timeout: float) -> dict[str, str]:
+        keys = ["http", "grpc", "listen"] + (["metrics"] if accepts_flag("router", "--metrics-port") else [])
+        found = self.wait_for(child, [rf"^\s*{k}\s+(\S+)" for k in keys], timeout)
+        return {k: m.group(1) for k, m in zip(keys, found)}
+
+    def worker_ready(self, child: Child, role: str, timeout: float) -> dict:
+        return json.loads(self.wait_for(child, [rf"tandem-{role}-ready (\{{.*\}})"], timeout)[0].group(1))
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """SIGTERM every child (they shut down in parallel), SIGKILL what is left after `grace`."""
+        force = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: force.set())  # a second Ctrl-C: stop waiting, kill
+        for child in self.children.values():
+            _signal(child, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while any(c.popen.poll() is None for c in self.children.values()):
+            if force.is_set() or time.monotonic() > deadline:
+                for child in self.children.values():
+                    _signal(child, signal.SIGKILL)
+                break
+            time.sleep(0.05)
+        for child in self.children.values():
+            child.popen.wait()
+            if child.popen.stdin is not None:
+                child.popen.stdin.close()
+            if child.reader is not None:
+                child.reader.join(2.0)
+
+
+def _signal(child: Child, sig: int) -> None:
+    if child.popen.poll() is None:
+        try:
+            os.killpg(child.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def wait_healthy(sup: Supervisor, http: str, decode: int, prefill: int, timeout: float) -> dict:
+    """Poll the router's /health until it counts exactly the expected live workers."""
+    deadline, health = time.monotonic() + timeout, {}
+    want = {"decode": decode, "prefill": prefill}
+    while time.monotonic() < deadline:
+        sup.check()
+        try:
+            with urllib.request.urlopen(f"{http}/health", timeout=5) as r:
+                health = json.loads(r.read())
+        except urllib.error.HTTPError as e:  # 503 until a decode worker is live; same JSON body
+            health = json.loads(e.read() or b"{}")
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        if health.get("live_workers") == want:
+            return health
+        time.sleep(0.2)
+    raise TimeoutError(f"the router at {http} never saw {want} live workers (last /health: {health})")
+
+
+def run_supervised(sup: Supervisor, start_all: Callable[[], dict], label: str, summary: str) -> int:
+    """Start everything, print the endpoints, serve until a signal (exit 0) or a child's death (exit 1)."""
+    def _stop(signum, _frame):
+        raise Stopped(signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop)
+    try:
+        info = start_all()
+        print_ready(label, summary, info)
+        while True:
+            sup.check()
+            time.sleep(0.2)
+    except Stopped as exc:
+        print(f"{label}: {exc}, stopping {len(sup.children)} processes", file=sys.stderr, flush=True)
+        return 0
+    except ChildExited as exc:
+        tail = "\n".join(f"    {line}" for line in exc.tail) or "    (no output)"
+        print(f"{label}: error: {exc}; its last output:\n{tail}\n{label}: stopping the others",
+              file=sys.stderr, flush=True)
+        return 1
+    except TimeoutError as exc:
+        print(f"{label}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        sup.stop()
+
+
+def print_ready(label: str, summary: str, info: dict) -> None:
+    http, grpc_target, model = info["http"], info["grpc"], info.get("model", "")
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "def fibonacci(n):"}],
+                       "max_tokens": 64})
+    lines = [f"{label}: serving {model!r} with {summary}",
+             f"  http     {http}   OpenAI API: /v1/chat/completions /v1/completions /v1/models, /health",
+             f"  grpc     {grpc_target}   tandem.v1.Generation (try: tandem chat --url {grpc_target})"]
+    metrics = {"router": info["metrics"]} if info.get("metrics") else {}
+    metrics.update({n: w["metrics"] for n, w in info.get("workers", {}).items() if w.get("metrics")})
+    if metrics:
+        lines.append("  metrics  " + "  ".join(f"{n}={url}" for n, url in metrics.items()))
+    lines += ["  try:", f"    curl -N {http}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}",
+              "Ctrl-C stops everything.",
+              "tandem-up-ready " + json.dumps({"http": http, "grpc": grpc_target, "model": model, "metrics": metrics,
+                                               "workers": info.get("workers", {})})]
+    print("\n".join(lines), flush=True)
+
+
+@lru_cache(maxsize=None)
+def accepts_flag(command: str, flag: str) -> bool:
+    """Whether `tandem COMMAND` has FLAG (lets us pass options that other work is still adding)."""
+    from tandem.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return command in sub.choices and flag in sub.choices[command]._option_string_actions
+
+
+@lru_cache(maxsize=1)
+def engine_actions() -> dict[str, argparse.Action]:
+    """The engine flags every worker takes, by dest (what `add_engine_args` defines)."""
+    from tandem.cli.engine_args import add_engine_args
+
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_args(probe)
+    return {a.dest: a for a in probe._actions}
+
+
+def engine_flags(values: dict) -> list[str]:
+    """Worker flags for the engine options in `values` (by dest) that differ from the defaults."""
+    flags: list[str] = []
+    for dest, action in engine_actions().items():
+        value = values.get(dest, action.default)
+        if value == action.default:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            flags.append(action.option_strings[0] if value else action.option_strings[1])
+        else:
+            flags += [action.option_strings[0], str(value)]
+    return flags
+
+
+def resolve_model_path(path: str | None) -> str:
+    """An existing local checkpoint directory (the built-in model when `path` is None)."""
+    from tandem.cli.engine_args import resolve_model
+
+    try:
+        resolved = resolve_model(path)
+    except FileNotFoundError as exc:  # the default model is missing: say so as bad input, not a traceback
+        raise ValueError(str(exc)) from None
+    if not os.path.isdir(resolved):
+        raise ValueError(f"--model {path}: no such checkpoint directory")
+    return os.path.abspath(resolved)

@@ -1,0 +1,152 @@
+"""`tandem up`: the whole serving system on this machine — the router plus prefill and decode workers
+as child processes — and the child-process supervision that `tandem launch` shares.
+
+What `tandem up` does:
+1. Resolve the model once (the built-in default without --model) and hand the path to every child.
+2. Start the router on loopback-internal ports of its own choosing (port 0); read its endpoints line.
+3. Start N prefill + M decode workers (port 0 everywhere) that register to the router's listen address.
+4. Poll the router's /health until it sees all of them; print the endpoints, a curl example and one
+   machine-readable `tandem-up-ready {json}` line.
+5. Supervise. A child that exits is reported by name with its last output lines; the others are
+   stopped and `tandem up` exits 1. It does not restart children: a worker that crashed will most
+   likely crash again, and restart policy belongs to whatever runs `tandem up` (systemd, compose).
+6. Ctrl-C / SIGTERM / SIGHUP: SIGTERM every child, wait, SIGKILL stragglers, exit 0.
+
+No orphans, without prctl (so it works beyond Linux): children run in their own sessions (a Ctrl-C
+in the terminal reaches only `tandem up`, which stops them in order), and each one is *tethered*:
+it runs as `python -m tandem.cli.up COMMAND ARGS...` with its stdin a pipe from its parent and
+SIGTERMs itself when that pipe reaches EOF — which the kernel guarantees when the parent dies, even
+by SIGKILL. Over ssh (`tandem launch`) the same EOF travels to the remote process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+
+from tandem.cli.engine_args import add_engine_args, add_model_arg
+from tandem.cli.supervise import Supervisor, accepts_flag, engine_flags, resolve_model_path, run_supervised, wait_healthy
+
+TETHER_GRACE_S = 15.0  # a tethered child that has not exited this long after its parent vanished is killed
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="run the router and prefill/decode workers on this machine",
+                       description="Start a router and its workers as child processes on this machine, wait "
+                                   "until they are all serving, print the endpoints; Ctrl-C stops everything.")
+    add_model_arg(p)
+    p.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1; 0 with --colocated)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    p.add_argument("--colocated", action="store_true",
+                   help="no prefill workers: decode workers prefill their own prompts (--kv-connector none)")
+    p.add_argument("--kv-connector", default="zmq", choices=["zmq", "shm", "torch_dist"],
+                   help="how prefill workers push KV to decode workers (default zmq)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface for the HTTP and gRPC servers (default loopback; 0.0.0.0 exposes them)")
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (0 = any free port)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0 = any free port)")
+    p.add_argument("--served-model-name", default=None, help="model name clients use (default: the directory's)")
+    p.add_argument("--decode-policy", default=None, help="the router's decode routing policy (see `tandem router`)")
+    p.add_argument("--prefill-policy", default=None, help="the router's prefill routing policy")
+    p.add_argument("--local-prefill-threshold", type=int, default=None,
+                   help="decode workers prefill prompts with fewer uncached tokens than this themselves")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every worker")
+    p.add_argument("--quiet", action="store_true", help="do not relay the children's logs to stderr")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def _counts(args: argparse.Namespace) -> tuple[int, int]:
+    if args.colocated and args.prefill:
+        raise ValueError("--colocated runs no prefill workers: drop --prefill (decode workers prefill themselves)")
+    prefill = 0 if args.colocated else (1 if args.prefill is None else args.prefill)
+    if prefill < 0 or args.decode < 1:
+        raise ValueError(f"need --decode >= 1 and --prefill >= 0, got --decode {args.decode} --prefill {prefill}")
+    if prefill == 0 and not args.colocated:
+        raise ValueError("--prefill 0 leaves the decode workers without prefill workers: use --colocated")
+    return prefill, args.decode
+
+
+def build_commands(args: argparse.Namespace, model: str) -> tuple[list[str], list[tuple[str, str, list[str]]]]:
+    """The router's `tandem` arguments and, per worker, (name, role, arguments without --router)."""
+    metrics = accepts_flag("decode", "--metrics-port")  # the observability flag, once it exists
+    router = ["router", "--model", model, "--host", args.host, "--http-port", str(args.http_port),
+              "--grpc-port", str(args.grpc_port), "--listen", "tcp://127.0.0.1:0"]
+    for flag, value in (("--served-model-name", args.served_model_name), ("--decode-policy", args.decode_policy),
+                        ("--prefill-policy", args.prefill_policy)):
+        if value is not None:
+            router += [flag, value]
+    prefill, decode = _counts(args)
+    shared = ["--model", model, "--listen", "tcp://127.0.0.1:0", *engine_flags(vars(args))]
+    if metrics:  # the router serves /metrics on its HTTP port; each worker gets a free port of its own
+        shared += ["--metrics-port", "0"]
+    if accepts_flag("decode", "--log-format") and sys.stderr.isatty():
+        # children write into our pipes, so they would pick JSON logs; we relay them to a person
+        router += ["--log-format", "console"]
+        shared += ["--log-format", "console"]
+    workers = []
+    for i in range(prefill):
+        workers.append((f"prefill-{i}", "prefill", ["--kv-connector", args.kv_connector, *shared]))
+    for i in range(decode):
+        extra = ["--kv-connector", "none" if args.colocated else args.kv_connector]
+        if args.local_prefill_threshold is not None:
+            extra += ["--local-prefill-threshold", str(args.local_prefill_threshold)]
+        workers.append((f"decode-{i}", "decode", [*extra, *shared]))
+    return router, workers
+
+
+def run(args: argparse.Namespace) -> int:
+    model = resolve_model_path(args.model)
+    router_args, workers = build_commands(args, model)
+    prefill, decode = _counts(args)
+    # Every worker is a torch process; without a cap each would spawn a thread per core and they
+    # would fight over the cores. Split them evenly unless the user chose.
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // len(workers)))
+    env = {**os.environ, "OMP_NUM_THREADS": threads}
+    sup = Supervisor(echo=not args.quiet)
+
+    def start_all() -> dict:
+        router = sup.start("router", tethered(router_args), env={**env, "OMP_NUM_THREADS": "1"})
+        ep = sup.router_endpoints(router, timeout=args.startup_timeout)
+        ready = {}
+        for name, role, worker_args in workers:
+            sup.start(name, tethered([role, *worker_args, "--router", ep["listen"], "--worker-id", name]), env=env)
+        for name, role, _ in workers:
+            ready[name] = sup.worker_ready(sup.children[name], role, timeout=args.startup_timeout)
+        health = wait_healthy(sup, ep["http"], decode=decode, prefill=prefill, timeout=args.startup_timeout)
+        return {**ep, "model": health.get("model", ""), "workers": ready}
+
+    summary = f"{prefill} prefill + {decode} decode" + (" (colocated)" if args.colocated else
+                                                        f" (kv connector {args.kv_connector})")
+    return run_supervised(sup, start_all, "tandem up", summary)
+
+
+def tethered(argv: list[str]) -> list[str]:
+    """The command line that runs `tandem ARGV...` tethered to its parent (see the module docstring)."""
+    return [sys.executable, "-m", "tandem.cli.up", *argv]
+
+
+def run_tethered(argv: list[str]) -> int:
+    """Run `tandem ARGV...` in this process; SIGTERM ourselves when stdin (the parent's pipe) closes."""
+    def watch() -> None:
+        try:
+            while os.read(0, 65536):  # the parent never writes: any EOF or error means it is gone
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)  # the command's own handler shuts it down cleanly
+        time.sleep(TETHER_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tether", daemon=True).start()
+    from tandem.cli import main
+
+    return main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(run_tethered(sys.argv[1:]))
