@@ -25,6 +25,15 @@ import structlog
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
 _log_prompts = False
+# Process-wide fields (service, worker_id). Not contextvars: threads (the KV receiver's I/O thread,
+# the metrics server) start with an empty context, and their lines must say which process wrote them.
+_static: dict[str, Any] = {}
+
+
+def _add_static(logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    for key, value in _static.items():
+        event_dict.setdefault(key, value)
+    return event_dict
 
 
 def _level_number(level: str | int) -> int:
@@ -47,6 +56,7 @@ def configure_logging(level: str | int = "info", json: bool | None = None, *, lo
     _log_prompts = bool(log_prompts)
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
+        _add_static,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -88,8 +98,8 @@ def prompts_enabled() -> bool:
 
 
 def bind_service(**fields: Any) -> None:
-    """Context carried by every line of this process (e.g. service="decode", worker_id="d1")."""
-    structlog.contextvars.bind_contextvars(**{k: v for k, v in fields.items() if v is not None})
+    """Context carried by every line of this process, from any thread (service="decode", worker_id="d1")."""
+    _static.update({k: v for k, v in fields.items() if v is not None})
 
 
 def request_context(request_id: Any) -> AbstractContextManager:
