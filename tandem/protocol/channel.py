@@ -1,0 +1,105 @@
+"""ZMQ control channel: a worker's ROUTER socket (ControlServer) and the DEALER sockets it or the
+router uses to talk to peers (PeerClients). Frames are validated by `messages.decode`; a bad frame
+is answered with an `error` message and never reaches the worker's logic.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import structlog
+import zmq
+
+from tandem.protocol import messages
+from tandem.protocol.messages import ProtocolError
+
+log = structlog.get_logger(__name__)
+
+
+def bind_socket(sock: zmq.Socket, address: str) -> str:
+    """Bind and return the concrete endpoint (tcp://host:0 picks a free port)."""
+    sock.bind(address)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class ControlServer:
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.address = bind_socket(self.sock, address)
+        self.bad_frames = 0
+
+    def receive(self) -> Iterator[tuple[bytes, dict[str, Any]]]:
+        """Drain what is waiting: yields (identity, valid message)."""
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self.bad_frames += 1
+                if frames:
+                    self.reply(frames[0], "error", id=None, message="expected exactly one frame per message")
+                continue
+            identity, frame = frames
+            try:
+                yield identity, messages.decode(frame)
+            except ProtocolError as exc:
+                self.bad_frames += 1
+                log.warning("bad control message", error=str(exc))
+                self.reply(identity, "error", id=None, message=str(exc))
+
+    def reply(self, identity: bytes, msg_type: str, **fields: Any) -> None:
+        try:
+            self.sock.send_multipart([identity, messages.encode(msg_type, **fields)], zmq.NOBLOCK)
+        except zmq.Again:  # peer gone or its queue full: drop rather than block the worker loop
+            log.warning("dropped reply", type=msg_type)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class PeerClients:
+    """One DEALER socket per peer control address, created on first use."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.ctx = ctx
+        self.socks: dict[str, zmq.Socket] = {}
+
+    def get(self, address: str) -> zmq.Socket:
+        sock = self.socks.get(address)
+        if sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 10000)
+            sock.connect(address)
+            self.socks[address] = sock
+        return sock
+
+    def send(self, address: str, msg_type: str, **fields: Any) -> None:
+        try:
+            self.get(address).send(messages.encode(msg_type, **fields), zmq.NOBLOCK)
+        except zmq.Again:
+            raise ConnectionError(f"peer {address} is not accepting messages") from None
+
+    def receive(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Drain replies from every peer: yields (peer address, valid message)."""
+        for address, sock in list(self.socks.items()):
+            while True:
+                try:
+                    frame = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    yield address, messages.decode(frame)
+                except ProtocolError as exc:
+                    log.warning("bad message from peer", peer=address, error=str(exc))
+
+    def register(self, poller: zmq.Poller) -> None:
+        for sock in self.socks.values():
+            poller.register(sock, zmq.POLLIN)
+
+    def close(self) -> None:
+        for sock in self.socks.values():
+            sock.close(0)
+        self.socks.clear()
