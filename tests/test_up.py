@@ -22,7 +22,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from service_procs import ENV, ROOT, Proc, grpc_stub, worker_stats
+from service_procs import ROOT, Proc, grpc_stub, worker_stats
 from tiny_models import make_checkpoint
 
 MAX_TOKENS = 12

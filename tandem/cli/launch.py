@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import os
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -68,8 +69,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"# {proc.name} on {proc.host}")
             print(shlex.join(proc.argv))
         return 0
-    import os
-
     sup = Supervisor(echo=not args.quiet)
     counts = {role: sum(w.role == role for w in workers) for role in ("decode", "prefill")}
 

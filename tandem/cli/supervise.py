@@ -205,7 +205,8 @@ def print_ready(label: str, summary: str, info: dict) -> None:
     metrics.update({n: w["metrics"] for n, w in info.get("workers", {}).items() if w.get("metrics")})
     if metrics:
         lines.append("  metrics  " + "  ".join(f"{n}={url}" for n, url in metrics.items()))
-    lines += ["  try:", f"    curl -N {http}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}",
+    curl = f"curl -N {http}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}"
+    lines += ["  try:", f"    {curl}",
               "Ctrl-C stops everything.",
               "tandem-up-ready " + json.dumps({"http": http, "grpc": grpc_target, "model": model, "metrics": metrics,
                                                "workers": info.get("workers", {})})]
