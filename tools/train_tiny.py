@@ -11,9 +11,10 @@ This file owns the whole recipe, end to end:
   6. verify   - transformers loads each export; its held-out loss must equal ours; greedy samples.
 Numbers for the model card land in tandem/assets/train_stats.json.
 
-Reproducibility: the step count of each model is calibrated from its `--*-minutes` budget during
-warmup (the warmup lr does not depend on it) and then logged; rerunning with `--target-steps N
---draft-steps M` on the same interpreter/torch reproduces the run without depending on timing.
+Reproducibility: fixed seeds, file order and batch order, and fixed step counts by default, so a
+rerun on the same interpreter and torch gives bit-identical files. With `--*-minutes` the step count
+is instead calibrated from the time budget during warmup (the warmup lr does not depend on it) and
+logged; rerunning with that count as `--*-steps` reproduces such a run without depending on timing.
 """
 from __future__ import annotations
 
@@ -135,48 +136,38 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-class Attention(nn.Module):
-    def __init__(self, c: Cfg) -> None:
-        super().__init__()
-        self.h, self.kv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.h * self.d, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, self.kv * self.d, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, self.kv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.h * self.d, c.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv, self.d).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv, self.d).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # GQA: query head i reads kv head i // (h // kv), exactly transformers' repeat_kv.
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.h * self.d))
-
-
-class MLP(nn.Module):
-    def __init__(self, c: Cfg) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+def _linear(n_in: int, n_out: int) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=False)
 
 
 class Layer(nn.Module):
+    """Pre-norm GQA attention with RoPE, then pre-norm SwiGLU MLP (HF LlamaDecoderLayer)."""
+
     def __init__(self, c: Cfg) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        hid, h, kv, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.h, self.kv, self.d = h, kv, d
+        # ModuleDicts give the exact HF parameter names (self_attn.q_proj.weight, mlp.up_proj...).
+        self.input_layernorm = RMSNorm(hid, c.rms_norm_eps)
+        self.self_attn = nn.ModuleDict({"q_proj": _linear(hid, h * d), "k_proj": _linear(hid, kv * d),
+                                        "v_proj": _linear(hid, kv * d), "o_proj": _linear(h * d, hid)})
+        self.post_attention_layernorm = RMSNorm(hid, c.rms_norm_eps)
+        inter = c.intermediate_size
+        self.mlp = nn.ModuleDict({"gate_proj": _linear(hid, inter), "up_proj": _linear(hid, inter),
+                                  "down_proj": _linear(inter, hid)})
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        (b, t, _), a, m = x.shape, self.self_attn, self.mlp
+        y = self.input_layernorm(x)
+        q = a["q_proj"](y).view(b, t, self.h, self.d).transpose(1, 2)
+        k = a["k_proj"](y).view(b, t, self.kv, self.d).transpose(1, 2)
+        v = a["v_proj"](y).view(b, t, self.kv, self.d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # GQA: query head i reads kv head i // (h // kv), exactly transformers' repeat_kv.
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + a["o_proj"](o.transpose(1, 2).reshape(b, t, self.h * self.d))
+        y = self.post_attention_layernorm(x)
+        return x + m["down_proj"](F.silu(m["gate_proj"](y)) * m["up_proj"](y))
 
 
 class TinyLlama(nn.Module):
@@ -326,10 +317,12 @@ def verify(model: TinyLlama, out: Path, held: torch.Tensor, prompts: list[str]) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target-minutes", type=float, default=27.0, help="training budget of the target")
-    ap.add_argument("--draft-minutes", type=float, default=9.0, help="training budget of the draft")
-    ap.add_argument("--target-steps", type=int, default=None, help="exact steps (overrides minutes)")
-    ap.add_argument("--draft-steps", type=int, default=None, help="exact steps (overrides minutes)")
+    # Fixed step counts by default: identical weights on every run, however loaded the machine is
+    # (~33 + ~5 minutes on one idle core of the reference box). Minutes budget by time instead.
+    ap.add_argument("--target-steps", type=int, default=1750, help="training steps of the target")
+    ap.add_argument("--draft-steps", type=int, default=1400, help="training steps of the draft")
+    ap.add_argument("--target-minutes", type=float, default=None, help="time budget (replaces steps)")
+    ap.add_argument("--draft-minutes", type=float, default=None, help="time budget (replaces steps)")
     ap.add_argument("--threads", type=int, default=1, help="torch/tokenizers threads (shared box: 1)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--vocab", type=int, default=4096)
@@ -355,10 +348,13 @@ def main() -> None:
                    "train_files": len(train_files), "heldout_files": [r for r, _ in held_files],
                    "train_tokens": data.numel(), "heldout_tokens": held.numel(), "args": {
                        k: str(v) for k, v in vars(a).items()}, "torch": torch.__version__}
-    prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass ", "    def __init__(self"]
+    # Prompts end on a token boundary (no trailing whitespace), as real code prompts do.
+    prompts = ['def fibonacci(n):\n    """Return the nth Fibonacci number."""',
+               "import os\nimport sys\n\n\nclass Config", "    def __init__(self"]
     specs = [("tiny-target", Cfg(a.vocab, 256, 6, 8, 4, 688), a.target_minutes, a.target_steps, 2e-3),
              ("tiny-draft", Cfg(a.vocab, 128, 2, 4, 2, 344), a.draft_minutes, a.draft_steps, 3e-3)]
     for name, cfg, minutes, steps, lr in specs:
+        steps = None if minutes is not None else steps
         model, st = train(name, cfg, data, held, a, minutes, steps, lr)
         st["heldout_loss_fp32_weights"] = eval_loss(model, held)
         export(model, tok, a.out / name)

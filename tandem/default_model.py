@@ -1,0 +1,39 @@
+"""Where tandem's shipped tiny model pair lives (issue 7).
+
+tandem ships a small Llama-architecture target and a smaller draft that share one tokenizer,
+trained by `tools/train_tiny.py` on the Python standard library and described in
+`tandem/assets/MODEL_CARD.md`. They live as ordinary Hugging Face checkpoint directories inside
+the package, so `LLM()` works offline and out of the box and speculative decoding has a real
+draft to measure. This module only resolves their paths; it imports nothing heavy.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+TARGET_NAME = "tiny-target"
+DRAFT_NAME = "tiny-draft"
+# A checkpoint directory is only usable with all of these; checking them gives a clear error
+# up front instead of a confusing failure deep inside the loader.
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def _asset_dir(name: str) -> str:
+    path = ASSETS_DIR / name
+    missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"tandem's packaged model {name!r} is missing {missing} under {path}. "
+            "Reinstall tandem-llm, or regenerate the assets with `python tools/train_tiny.py`, "
+            "or pass an explicit model directory instead of relying on the default.")
+    return str(path)
+
+
+def default_model_path() -> str:
+    """Directory of the packaged target model (a Hugging Face Llama checkpoint)."""
+    return _asset_dir(TARGET_NAME)
+
+
+def default_draft_path() -> str:
+    """Directory of the packaged draft model; same tokenizer as the target, for speculation."""
+    return _asset_dir(DRAFT_NAME)
