@@ -22,6 +22,7 @@ class Pending:
     peer: str
     kv_done_at: float | None = None
     first_token: int | None = None
+    first_logprobs: list | None = None  # [[token_id, logprob], ...] from P, when the request asked
     cancelled: bool = False
 
 
@@ -49,15 +50,15 @@ class RemoteKV:
         self.receiver.expect(rid, dest_block_ids, timeout_s=self.timeout_s)
         self.pending[rid] = Pending(peer)
 
-    def first_token(self, rid: str, token: int) -> bool:
+    def first_token(self, rid: str, token: int, logprobs: list | None = None) -> bool:
         p = self.pending.get(rid)
         if p is None or p.cancelled:
             return False
-        p.first_token = token
+        p.first_token, p.first_logprobs = token, logprobs
         return True
 
-    def poll(self) -> tuple[list[tuple[str, int]], list[Released]]:
-        """Apply arrived KV. Returns (ready: (request id, first token), released requests)."""
+    def poll(self) -> tuple[list[tuple[str, int, list | None]], list[Released]]:
+        """Apply arrived KV. Returns (ready: (request id, first token, its logprobs), released requests)."""
         released, self._released_now = self._released_now, []
         for ev in self.receiver.poll(0):
             p = self.pending.get(ev.request_id)
@@ -78,7 +79,7 @@ class RemoteKV:
             if p.kv_done_at is None or p.cancelled:
                 continue
             if p.first_token is not None:
-                ready.append((rid, p.first_token))
+                ready.append((rid, p.first_token, p.first_logprobs))
                 del self.pending[rid]
             elif now - p.kv_done_at > self.timeout_s:  # KV complete (writes over) but P never said done
                 del self.pending[rid]

@@ -98,8 +98,8 @@ class DecodeWorker:
         self._dispatch_backlog()
         if self.remote is not None:
             ready, released = self.remote.poll()
-            for rid, first_token in ready:
-                self._remote_ready(rid, first_token)
+            for rid, first_token, first_logprobs in ready:
+                self._remote_ready(rid, first_token, first_logprobs)
             for rel in released:
                 self._released(rel)
         if sched.running or sched.waiting:
@@ -137,7 +137,7 @@ class DecodeWorker:
             return
         if msg["type"] == "prefill_done":
             rid = msg["id"]
-            if self.remote.first_token(rid, msg["first_token"]):
+            if self.remote.first_token(rid, msg["first_token"], msg.get("logprobs")):
                 self._trace(rid, "prefill_done_ns")
         elif msg["type"] in ("prefill_failed", "error") and msg.get("id"):
             self._fallback(msg["id"], msg.get("message", "prefill peer error"))
@@ -220,7 +220,7 @@ class DecodeWorker:
                               finish_reason="abort", num_cached_tokens=0, num_prompt_tokens=0)
 
     # ---- remote KV ---------------------------------------------------------------------------
-    def _remote_ready(self, rid: str, first_token: int) -> None:
+    def _remote_ready(self, rid: str, first_token: int, first_logprobs: list | None = None) -> None:
         req = self.engine.scheduler.remote.get(rid)
         if req is None:
             return
@@ -228,6 +228,8 @@ class DecodeWorker:
         self.obs.transfer_done(self.stats.traces.get(rid))  # observability (issue 8)
         before = req.num_tokens
         self.engine.scheduler.remote_kv_arrived(rid, first_token)
+        if req.logprobs is not None:  # P sampled the first token: its logprobs came with prefill_done
+            req.logprobs.append({int(t): float(lp) for t, lp in first_logprobs or []} or {first_token: float("nan")})
         self._send_output(self.engine.emit(req, req.token_ids[before:]))
 
     def _fallback(self, rid: str, reason: str) -> None:

@@ -24,6 +24,7 @@ import structlog
 import zmq
 
 from tandem.engine.llm_engine import LLMEngine
+from tandem.outputs import RequestOutput
 from tandem.observability.logging import prompts_enabled, request_context
 from tandem.observability.worker_metrics import NO_METRICS
 from tandem.protocol.channel import ControlServer
@@ -91,7 +92,7 @@ class PrefillWorker:
             self.obs.step_done(self.engine.current_schedule, t0, outs)  # observability (issue 8)
             for out in outs:
                 if out.finished:
-                    self._finished(out.request_id, out.token_ids, out.finish_reason)
+                    self._finished(out)
         if self.registrar is not None:  # router registration (issue 5): heartbeat every interval
             self.registrar.tick(self.stats_dict)
 
@@ -162,11 +163,12 @@ class PrefillWorker:
             raise ValueError(f"expected {n_blocks} destination blocks, got {len(msg['dest_block_ids'])}")
         return req, send_from
 
-    def _finished(self, rid: str, token_ids: list[int], reason: str | None) -> None:
+    def _finished(self, out: RequestOutput) -> None:
+        rid, token_ids = out.request_id, out.token_ids
         job = self.outbound.pop(rid, None)
         if job is None:
             return
-        if reason == "abort" or not token_ids:
+        if out.finish_reason == "abort" or not token_ids:
             return
         # Every layer was handed to the sender during the forward pass; "done" follows them on the
         # same link, so D sees it after the last block. D's ack is not awaited: P moves on.
@@ -174,7 +176,10 @@ class PrefillWorker:
         self.counters["prefills"] += 1
         self._trace(rid, "done_ns")
         log.info("prefill finished", request_id=rid, dest=job.dest, blocks=len(job.dest_block_ids))  # issue 8
-        self.server.reply(job.identity, "prefill_done", id=rid, first_token=token_ids[0])
+        extra = {}
+        if out.outputs[0].logprobs:  # the first token's logprobs, as [[token_id, logprob], ...]
+            extra["logprobs"] = [[t, lp] for t, lp in out.outputs[0].logprobs[0].items()]
+        self.server.reply(job.identity, "prefill_done", id=rid, first_token=token_ids[0], **extra)
 
     # ---- layer-wise push -------------------------------------------------------------------------
     def _on_layer_stored(self, layer: int) -> None:

@@ -260,26 +260,34 @@ def test_fuzzed_control_sockets_keep_serving(ckpt, offline, tmp_path):
         stop_all([decode, prefill])
 
 
-def test_colocated_worker_streams_logprobs(ckpt, offline, tmp_path):
-    decode, d_addr = start_worker("decode", ckpt, tmp_path, "--kv-connector", "none")
+@pytest.mark.parametrize("disaggregated", [False, True])
+def test_worker_streams_logprobs(disaggregated, ckpt, offline, tmp_path):
+    procs = []
     try:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(d_addr["control"])
+        peer = None
+        if disaggregated:
+            prefill, p_addr = start_worker("prefill", ckpt, tmp_path, "--kv-connector", "zmq")
+            procs.append(prefill)
+            peer = p_addr["control"]
+        decode, d_addr = start_worker("decode", ckpt, tmp_path, "--kv-connector", "zmq" if disaggregated else "none",
+                                      "--local-prefill-threshold", "0")
+        procs.append(decode)
+        client = Client(d_addr["control"])
         sampling = dict(GREEDY, logprobs=2)
-        sock.send(messages.encode("add_request", id="lp", token_ids=[5, 6, 7], sampling=sampling, prefill_peer=None))
-        tokens, entries = [], []
-        while True:
-            assert sock.poll(30000)
-            msg = messages.decode(sock.recv())
-            tokens += msg["token_ids"]
+        prompt = list(range(5, 60))
+        entries = []
+        client.sock.send(messages.encode("add_request", id="lp", token_ids=prompt, sampling=sampling,
+                                         prefill_peer=peer))
+        while "lp" not in client.finished:
+            assert client.sock.poll(30000)
+            msg = messages.decode(client.sock.recv())
+            client.tokens.setdefault("lp", []).extend(msg["token_ids"])
             entries += msg.get("logprobs") or []
             if msg["finished"]:
-                break
-        ref = offline.generate([[5, 6, 7]], SamplingParams(**sampling))[0]
-        assert tokens == ref.token_ids and len(entries) == len(tokens)
+                client.finished["lp"] = msg
+        ref = offline.generate([prompt], SamplingParams(**sampling))[0]
+        assert client.tokens["lp"] == ref.token_ids and len(entries) == len(ref.token_ids)
         for entry, expected in zip(entries, ref.outputs[0].logprobs):
             assert {t: pytest.approx(lp, abs=1e-4) for t, lp in entry} == expected
-        sock.close()
     finally:
-        stop_all([decode])
+        stop_all(procs)

@@ -60,6 +60,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
 OPTIONAL: dict[str, dict[str, str]] = {
     "add_request": {"text": _STR},  # the original prompt text, for logs only
     "output": {"logprobs": "any", "stop_reason": "any"},
+    "prefill_done": {"logprobs": "any"},  # the first token's [[token_id, logprob], ...] when asked for
 }
 
 
