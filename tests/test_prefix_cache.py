@@ -69,3 +69,20 @@ def test_concurrent_shared_prefix_in_one_batch(model_path):
     alone = LLM(model_path, num_kv_blocks=128, max_model_len=512, enable_prefix_caching=False)
     assert [o.token_ids for o in together] == [o.token_ids for o in alone.generate([a, b, a], GREEDY)]
     llm.engine.check_invariants()
+
+
+def test_unchunked_long_prompt_is_admitted_beside_running_streams(model_path):
+    # Without chunking, a max_model_len-sized prompt must not wait for running decodes to finish.
+    llm = LLM(model_path, num_kv_blocks=256, max_model_len=512, enable_chunked_prefill=False,
+              max_num_batched_tokens=64)
+    eng = llm.engine
+    for i in range(4):
+        eng.add_request(f"s{i}", [5 + i] * 10, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    eng.step()
+    eng.add_request("long", [9] * 510, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    eng.step()
+    assert eng.scheduler.requests["long"].num_computed_tokens == 510
+    assert all(eng.scheduler.requests[f"s{i}"].num_output_tokens == 2 for i in range(4))
+    for rid in ["long"] + [f"s{i}" for i in range(4)]:
+        eng.abort_request(rid)
+    eng.check_invariants()

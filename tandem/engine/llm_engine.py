@@ -55,7 +55,9 @@ class LLMEngine:
                                  config.enable_prefix_caching)
         batched = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
-            batched = max(batched, self.max_model_len)  # an unchunked prompt must fit one step
+            # An unchunked prompt must fit one step *beside* a full batch of decodes (each up to
+            # 1 + 15 speculated tokens), or a max_model_len prompt would wait for every stream to end.
+            batched = max(batched, self.max_model_len + config.max_num_seqs * 16)
         self.scheduler = Scheduler(self.kv, batched, config.max_num_seqs, config.enable_chunked_prefill)
         self.eos_token_ids = set(model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
