@@ -70,15 +70,19 @@ def store_kv(
 def _gather_tokens(
     kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, block_ids: torch.Tensor, out_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks [..., n] -> K, V as [..., n * block_size, Hkv, D] in out_dtype (dequantized)."""
-    blocks = kv_cache[block_ids]  # [..., n, 2, bs, H, D]
-    scales = kv_scale[block_ids] if kv_scale is not None else None
+    """Blocks [..., n] -> K, V as [..., n * block_size, Hkv, D] in out_dtype (dequantized).
+
+    Indexing the K and V views separately yields each contiguous in one copy (gathering whole
+    blocks first and slicing would copy twice)."""
     lead = block_ids.shape
-    bs, h, d = blocks.shape[-3:]
-    k = dequantize_rows(blocks[..., 0, :, :, :], None if scales is None else scales[..., 0, :, :], out_dtype)
-    v = dequantize_rows(blocks[..., 1, :, :, :], None if scales is None else scales[..., 1, :, :], out_dtype)
+    bs, h, d = kv_cache.shape[2:]
     shape = (*lead[:-1], lead[-1] * bs, h, d)
-    return k.reshape(shape), v.reshape(shape)
+    k = kv_cache[:, 0][block_ids]
+    v = kv_cache[:, 1][block_ids]
+    if kv_scale is not None:
+        k = dequantize_rows(k, kv_scale[:, 0][block_ids], out_dtype)
+        v = dequantize_rows(v, kv_scale[:, 1][block_ids], out_dtype)
+    return k.to(out_dtype).reshape(shape), v.to(out_dtype).reshape(shape)
 
 
 def paged_decode_attention(
@@ -95,7 +99,27 @@ def paged_decode_attention(
     int32 (entries past a sequence's blocks are ignored); seq_lens [B] tokens per sequence, the Q
     query tokens included. Query q of sequence b sits at position seq_lens[b] - Q + q and sees
     every key up to and including itself. Returns [B, Q, H, D] in query's dtype.
+
+    On CPU the batch is padded to its longest context, so sequences are grouped into buckets of
+    similar length first: one long context must not make every short one pay for its keys.
     """
+    lens = seq_lens.tolist()
+    if len(lens) < 2 or max(lens) <= 2 * min(lens) + 64:
+        return _padded_decode_attention(query, kv_cache, block_tables, seq_lens, scale, kv_scale)
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    out = torch.empty_like(query)
+    start = 0
+    while start < len(order):
+        end, limit = start + 1, 2 * lens[order[start]] + 64
+        while end < len(order) and lens[order[end]] <= limit:
+            end += 1
+        idx = torch.tensor(order[start:end], device=query.device)
+        out[idx] = _padded_decode_attention(query[idx], kv_cache, block_tables[idx], seq_lens[idx], scale, kv_scale)
+        start = end
+    return out
+
+
+def _padded_decode_attention(query, kv_cache, block_tables, seq_lens, scale, kv_scale):
     b, q_len, h, d = query.shape
     max_blocks = int((int(seq_lens.max()) + kv_cache.shape[2] - 1) // kv_cache.shape[2])
     k, v = _gather_tokens(kv_cache, kv_scale, block_tables[:, :max_blocks].long(), query.dtype)
