@@ -55,7 +55,9 @@ class EngineConfig:
         if self.spec_max_batch < 1:
             raise ValueError(f"spec_max_batch must be >= 1, got {self.spec_max_batch}")
         if self.speculator == "draft_model" and not self.draft_model:
-            raise ValueError("speculator 'draft_model' needs draft_model (--draft-model PATH)")
+            from tandem.default_model import default_draft_path  # the shipped draft pairs the shipped target
+
+            self.draft_model = default_draft_path()
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

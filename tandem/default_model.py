@@ -22,7 +22,7 @@ def _asset_dir(name: str) -> str:
     path = ASSETS_DIR / name
     missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
     if missing:
-        raise FileNotFoundError(
+        raise ValueError(  # a ValueError: the CLI reports it as one line, exit 2
             f"tandem's packaged model {name!r} is missing {missing} under {path}. "
             "Reinstall tandem-llm, or regenerate the assets with `python tools/train_tiny.py`, "
             "or pass an explicit model directory instead of relying on the default.")

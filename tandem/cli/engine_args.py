@@ -14,6 +14,13 @@ _HELP = {
     "kv_cache_dtype": "KV cache storage: auto | fp8_e4m3 | int8",
     "max_model_len": "longest sequence (prompt + output) in tokens",
     "eviction": "prefix-cache eviction policy (see `tandem plugins`)",
+    "speculator": "speculative decoding: ngram | draft_model | a plugin's name (default: off)",
+    "num_speculative_tokens": "tokens proposed per step when speculating (1-15)",
+    "draft_model": "draft checkpoint for --speculator draft_model (default: the built-in draft model)",
+    "spec_max_batch": "speculate only while at most this many requests are running",
+    "max_num_seqs": "most requests in one continuous batch",
+    "max_num_batched_tokens": "token budget of one step (chunked-prefill chunk size)",
+    "role": "engine role",
 }
 _SKIP = {"model", "role"}
 _RENAMED = {"seed": "engine_seed"}  # `--seed` is the per-request sampling seed on every command
