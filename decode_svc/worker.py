@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 import zmq
@@ -26,6 +26,7 @@ import zmq
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.request import Request, RequestStatus
 from tandem.observability.logging import prompts_enabled, request_context
+from tandem.observability.trace import Traces
 from tandem.observability.worker_metrics import NO_METRICS
 from tandem.outputs import RequestOutput
 from tandem.protocol.channel import ControlServer, PeerClients
@@ -44,7 +45,6 @@ class DecodeStats:
     transferred_blocks: int = 0
     reused_blocks: int = 0
     errors: int = 0
-    traces: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class DecodeWorker:
@@ -58,6 +58,8 @@ class DecodeWorker:
         self.server = ControlServer(self.ctx, listen)
         self.peers = PeerClients(self.ctx)
         self.stats = DecodeStats()
+        self.traces = Traces()
+        self._trace = self.traces.record
         self.remote = RemoteKV(receiver, prefill_timeout_s, self._trace) if receiver is not None else None
         self.local_prefill_threshold = local_prefill_threshold
         self.clients: dict[str, bytes] = {}
@@ -128,7 +130,7 @@ class DecodeWorker:
         elif kind == "stats":
             self.server.reply(identity, "stats_reply", stats=self.stats_dict())
         elif kind == "trace":
-            self.server.reply(identity, "trace_reply", id=msg["id"], events=self.stats.traces.get(msg["id"], {}))
+            self.server.reply(identity, "trace_reply", id=msg["id"], events=self.traces.get(msg["id"]))
         else:
             self.server.reply(identity, "error", id=msg.get("id"), message=f"a decode worker does not accept {kind!r}")
 
@@ -225,7 +227,7 @@ class DecodeWorker:
         if req is None:
             return
         self._trace(rid, "kv_ready_ns")
-        self.obs.transfer_done(self.stats.traces.get(rid))  # observability (issue 8)
+        self.obs.transfer_done(self.traces.get(rid))  # observability (issue 8)
         before = req.num_tokens
         self.engine.scheduler.remote_kv_arrived(rid, first_token)
         if req.logprobs is not None:  # P sampled the first token: its logprobs came with prefill_done
@@ -289,13 +291,6 @@ class DecodeWorker:
             fields["logprobs"] = [[[t, lp] for t, lp in entry.items()]
                                   for entry in logprobs[-len(out.new_token_ids):]]
         self.server.reply(identity, "output", **fields)
-
-    def _trace(self, rid: str, event: str, ns: int | None = None) -> None:
-        """First time `event` happened to `rid` (CLOCK_MONOTONIC ns, comparable across local processes)."""
-        traces = self.stats.traces
-        if len(traces) > 10000:  # bounded: keep the newest requests' traces only
-            traces.pop(next(iter(traces)))
-        traces.setdefault(rid, {}).setdefault(event, ns if ns is not None else time.monotonic_ns())
 
     def stats_dict(self) -> dict:
         sched, kv = self.engine.scheduler, self.engine.kv.stats()

@@ -24,6 +24,7 @@ import structlog
 import zmq
 
 from tandem.engine.llm_engine import LLMEngine
+from tandem.observability.trace import Traces
 from tandem.outputs import RequestOutput
 from tandem.observability.logging import prompts_enabled, request_context
 from tandem.observability.worker_metrics import NO_METRICS
@@ -55,7 +56,8 @@ class PrefillWorker:
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-handshake")
         self._handshakes: dict[str, Future] = {}  # destination -> connect() (idempotent once it succeeded)
         self._awaiting: dict[str, tuple[bytes, dict, Future]] = {}  # request id -> waiting for its handshake
-        self.traces: dict[str, dict[str, int]] = {}
+        self.traces = Traces()
+        self._trace = self.traces.record
         self.counters = {"prefills": 0, "failed": 0, "aborted": 0, "errors": 0}
         self._stopped = False
         self.registrar = registrar  # router registration (issue 5): tandem.protocol.registration.Registrar
@@ -110,7 +112,7 @@ class PrefillWorker:
         elif kind == "stats":
             self.server.reply(identity, "stats_reply", stats=self.stats_dict())
         elif kind == "trace":
-            self.server.reply(identity, "trace_reply", id=msg["id"], events=self.traces.get(msg["id"], {}))
+            self.server.reply(identity, "trace_reply", id=msg["id"], events=self.traces.get(msg["id"]))
         else:
             self.server.reply(identity, "error", id=msg.get("id"), message=f"a prefill worker does not accept {kind!r}")
 
@@ -209,11 +211,6 @@ class PrefillWorker:
                 self._trace(req.request_id, "first_layer_sent_ns")
             if last_layer and done_tokens >= req.num_tokens:
                 self._trace(req.request_id, "last_layer_computed_ns")
-
-    def _trace(self, rid: str, event: str) -> None:
-        if len(self.traces) > 10000:
-            self.traces.pop(next(iter(self.traces)))
-        self.traces.setdefault(rid, {}).setdefault(event, time.monotonic_ns())
 
     def stats_dict(self) -> dict:
         sched, kv = self.engine.scheduler, self.engine.kv.stats()
