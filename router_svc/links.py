@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from tandem.protocol import messages
+from tandem.protocol.channel import dealer_socket
 from tandem.protocol.messages import ProtocolError
 
 log = structlog.get_logger(__name__)
@@ -59,12 +60,7 @@ class WorkerLinks:
     def _get(self, address: str) -> zmq.asyncio.Socket:
         sock = self.socks.get(address)
         if sock is None:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            # Bounded: a dead worker's queue fills up and then sends fail fast instead of growing.
-            sock.setsockopt(zmq.SNDHWM, 10000)
-            sock.connect(address)
-            self.socks[address] = sock
+            sock = self.socks[address] = dealer_socket(self.ctx, address)
             self.readers[address] = asyncio.get_running_loop().create_task(self._read(address, sock))
         return sock
 

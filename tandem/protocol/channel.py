@@ -16,6 +16,16 @@ from tandem.protocol.messages import ProtocolError
 log = structlog.get_logger(__name__)
 
 
+def dealer_socket(ctx: zmq.Context, address: str, send_hwm: int = 10000) -> zmq.Socket:
+    """A DEALER connected to `address` that never lingers on close. The send high-water mark bounds
+    what queues for a dead peer: past it, sends fail fast instead of growing memory."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, send_hwm)
+    sock.connect(address)
+    return sock
+
+
 def bind_socket(sock: zmq.Socket, address: str) -> str:
     """Bind and return the concrete endpoint (tcp://host:0 picks a free port)."""
     sock.bind(address)
@@ -69,11 +79,7 @@ class PeerClients:
     def get(self, address: str) -> zmq.Socket:
         sock = self.socks.get(address)
         if sock is None:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 10000)
-            sock.connect(address)
-            self.socks[address] = sock
+            sock = self.socks[address] = dealer_socket(self.ctx, address)
         return sock
 
     def send(self, address: str, msg_type: str, **fields: Any) -> None:

@@ -20,6 +20,7 @@ import structlog
 import zmq
 
 from tandem.protocol import messages
+from tandem.protocol.channel import dealer_socket
 from tandem.protocol.messages import ProtocolError
 
 log = structlog.get_logger(__name__)
@@ -40,12 +41,9 @@ class Registrar:
         self.control_address = control_address
         self.model = model
         self.interval_s = interval_s
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
         # A router that is down must not make heartbeats pile up: a few queued frames are plenty,
         # a stale heartbeat is worth nothing.
-        self.sock.setsockopt(zmq.SNDHWM, 16)
-        self.sock.connect(router_address)
+        self.sock = dealer_socket(ctx, router_address, send_hwm=16)
         self._registered = False
         self._next_beat = 0.0
         self.heartbeats_sent = 0
