@@ -85,7 +85,9 @@ def _decode_kernel(
     else:
         # Partials are [B, S, Q, H] (+ D for acc), contiguous. Splits past the end of this sequence
         # write nothing; the merge kernel never reads them.
-        live = rmask & (start < seq_len)
+        # A tensor comparison, not a scalar one: triton 3.9's interpreter turns `int1 & scalar-bool`
+        # into an int32 mask, which tl.store refuses.
+        live = rmask & (rows * 0 + start < seq_len)
         p_rows = ((b.to(tl.int64) * num_splits + split) * Q + qi) * num_heads + head
         tl.store(pacc_ptr + p_rows[:, None] * HEAD_DIM + offs_d[None, :], acc,
                  mask=live[:, None] & dmask[None, :])

@@ -22,6 +22,7 @@ import structlog
 import torch
 
 from kvtransfer import CONNECTORS, CacheLayout, HandshakeError, LayerReceived, TransferDone, TransferEvent
+from kvtransfer.wire import as_bytes
 
 
 def make_cache(layout: CacheLayout, num_blocks: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
@@ -42,9 +43,9 @@ def digest(caches: list[torch.Tensor], scales: list[torch.Tensor] | None, ids: l
     h = hashlib.sha256()
     idx = torch.tensor(ids, dtype=torch.long)
     for layer, cache in enumerate(caches):
-        h.update(cache[idx].contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(as_bytes(cache[idx].contiguous()))
         if scales is not None:
-            h.update(scales[layer][idx].contiguous().numpy().tobytes())
+            h.update(as_bytes(scales[layer][idx].contiguous()))
     return h.hexdigest()
 
 
@@ -175,6 +176,14 @@ class _Worker:
             self.objs[name][0].cancel(rid)
         return {}
 
+    def numpy_probe(self) -> dict:
+        """Whether numpy imports here (tests run workers with it made unimportable)."""
+        try:
+            import numpy  # noqa: F401
+        except ImportError as exc:
+            return {"error": str(exc)}
+        return {"error": ""}
+
     def close(self, name: str) -> dict:
         with self.locks.get(name, threading.Lock()):
             obj, caches, _ = self.objs.pop(name)
@@ -204,9 +213,14 @@ def main() -> None:
 class Proc:
     """Test-side handle on a worker process."""
 
-    def __init__(self, cwd: str) -> None:
+    def __init__(self, cwd: str, without_numpy: bool = False) -> None:
+        """`without_numpy`: the worker runs as if numpy were not installed (it is not a dependency)."""
         env = {**os.environ, "PYTHONPATH": cwd + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtransfer.testing"], cwd=cwd, env=env, text=True,
+        argv = [sys.executable, "-m", "kvtransfer.testing"]
+        if without_numpy:  # a None entry makes every `import numpy` fail, torch's own included
+            argv[1:] = ["-c", "import runpy, sys; sys.modules['numpy'] = None; "
+                              "runpy.run_module('kvtransfer.testing', run_name='__main__')"]
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sys.stderr)
         self._lines: Queue[str] = Queue()
         threading.Thread(target=lambda: [self._lines.put(x) for x in self.proc.stdout], daemon=True).start()
