@@ -14,9 +14,10 @@
 5. The last output (finished) frees the admission slot at once, whether or not the client has read it.
 6. `Stream.close()` before the end (client cancelled or disconnected) sends `abort` to D, which
    frees the blocks on D and tells P to stop.
-7. If D is declared lost (missed heartbeats): a request that has not handed any token to its
-   client yet is dispatched again on another D; one that has is ended with WorkerLost — a clear
-   error, never a hung stream.
+7. If D is declared lost (dead: missed heartbeats; or hung: no progress for the hung timeout): a
+   request that has not handed any token to its client yet is dispatched again on another D; one
+   that has is ended with WorkerLost — a clear error, never a hung stream. A D that is merely slow
+   (a long step) is not lost: it gets fewer new requests (`Registry.routable`) and keeps its streams.
 """
 
 from __future__ import annotations
@@ -104,12 +105,12 @@ class Router:
 
     def _dispatch(self, flight: Flight, exclude: set[str]) -> None:
         while True:
-            decoders = [w for w in self.registry.live("decode") if w.worker_id not in exclude]
+            decoders = [w for w in self.registry.routable("decode") if w.worker_id not in exclude]
             if not decoders:
                 raise NoWorkers("no decode worker is available" + (" (the one serving this request was lost)"
                                                                    if flight.attempts else ""))
             d = self.decode_policy.choose(decoders, flight.route)
-            prefills = self.registry.live("prefill")
+            prefills = self.registry.routable("prefill")
             p = self.prefill_policy.choose(prefills, flight.route) if prefills else None
             try:
                 self.send(d.address, "add_request", id=flight.rid, token_ids=flight.token_ids,
@@ -202,9 +203,11 @@ class Router:
             if flight.tokens_out:
                 flight.log.warning("decode worker lost mid-stream", worker_id=worker.worker_id,
                                    tokens_out=flight.tokens_out)
+                what = (f"is hung (no progress for {worker.loop_age_s():.0f}s)" if worker.hung
+                        else "stopped responding")
                 self._end(flight, WorkerLost(
-                    f"decode worker {worker.worker_id} stopped responding after {flight.tokens_out} tokens "
-                    "had been sent; the request cannot be resumed, please retry it"))
+                    f"decode worker {worker.worker_id} {what} after {flight.tokens_out} tokens had been sent; "
+                    "the request cannot be resumed, please retry it"))
                 continue
             self._release_prefill(flight)
             try:

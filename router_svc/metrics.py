@@ -37,6 +37,8 @@ IN_FLIGHT = Gauge("tandem_router_requests_in_flight", "Requests admitted and not
 RETRIES = Counter("tandem_router_retries_total", "Requests re-sent to another decode worker after theirs was lost")
 WORKERS = Gauge("tandem_router_workers", "Live workers known to the router", ["role"])
 WORKERS_LOST = Counter("tandem_router_workers_lost_total", "Workers removed for missing heartbeats", ["role"])
+WORKERS_HUNG = Counter("tandem_router_workers_hung_total",
+                       "Workers declared hung: heartbeating, but no engine-loop progress for the hung timeout", ["role"])
 TTFT = Histogram("tandem_router_time_to_first_token_seconds", "Admission to the first token, as seen by the router",
                  buckets=TIME_BUCKETS)
 ITL = Histogram("tandem_router_inter_token_latency_seconds",

@@ -1,15 +1,23 @@
 """The worker registry: which decode (D) and prefill (P) workers are alive, and their load.
 
+Alive, slow and hung are three things:
 1. A worker's Registrar sends `register(worker_id, role, control_address, model, interval_ms)` to
-   the router's listen socket, then `heartbeat(worker_id, stats)` every interval.
-2. A heartbeat from an unknown worker_id is answered with `error`, which makes the Registrar
-   register again (so a restarted router re-learns its workers within one interval).
-3. `expire()` removes a registered worker that has been silent for `misses` x its interval and
-   returns it, so the router can retry or fail its requests. A worker that re-registers later is
-   simply a new entry.
-4. Static workers (`--decode ADDR`, `--prefill ADDR`) never register: the router polls them with
+   the router's listen socket, then `heartbeat(worker_id, stats)` every interval from a thread its
+   engine loop cannot block. A heartbeat from an unknown worker_id is answered with `error`, which
+   makes the Registrar register again (so a restarted router re-learns its workers within one interval).
+2. Dead: `expire()` removes a registered worker that has been silent for `misses` x its interval
+   (~1.5 s by default: a killed, crashed or SIGSTOPped process) and returns it, so the router can
+   retry or fail its requests. A worker that re-registers later is simply a new entry.
+3. Slow: each heartbeat carries `loop_age_s`, how long ago the worker's engine loop last came round.
+   A live worker whose loop is stalled is load, not failure: `Worker.stalled` makes the router
+   prefer others for new requests, and its streams are left alone.
+4. Hung: alive but with no loop progress for `hung_timeout_s` (default 60 s, sized for a long
+   prefill of a real model). `expire()` returns it like a dead one (its requests are retried or
+   failed) and keeps it, marked hung and not routable; it comes back when its loop moves again.
+5. Static workers (`--decode ADDR`, `--prefill ADDR`) never register: the router polls them with
    `stats`, and a `stats_reply` is their heartbeat. A static worker is down until its first reply;
-   a silent one is marked down again, not forgotten, and comes back with its next reply.
+   a silent one is marked down again, not forgotten, and comes back with its next reply. (Their
+   replies come from the engine loop, so a long step can mark one down: register workers instead.)
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from router_svc import metrics
 log = structlog.get_logger(__name__)
 
 ROLES = ("decode", "prefill")
+STALLED_S = 2.0  # a loop this late is "slow": the router prefers other workers for new requests
 
 
 @dataclass(slots=True)
@@ -37,20 +46,34 @@ class Worker:
     interval_s: float = 1.0
     last_seen: float = field(default_factory=time.monotonic)
     alive: bool = True
+    hung: bool = False  # alive, but its engine loop made no progress for the hung timeout
     stats: dict[str, Any] = field(default_factory=dict)
     inflight: int = 0  # requests routed here and not finished (prefill: not started yet)
 
+    def loop_age_s(self, now: float | None = None) -> float:
+        """How long ago the engine loop last came round, as of now (0 for workers that do not say)."""
+        reported = self.stats.get("loop_age_s")
+        if not isinstance(reported, (int, float)):
+            return 0.0
+        return float(reported) + ((time.monotonic() if now is None else now) - self.last_seen)
+
+    @property
+    def stalled(self) -> bool:
+        return self.loop_age_s() > STALLED_S
+
     def describe(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "role": self.role, "address": self.address, "static": self.static,
-                "alive": self.alive, "inflight": self.inflight, "seconds_since_seen": round(time.monotonic() - self.last_seen, 3),
+                "alive": self.alive, "hung": self.hung, "loop_age_s": round(self.loop_age_s(), 3),
+                "inflight": self.inflight, "seconds_since_seen": round(time.monotonic() - self.last_seen, 3),
                 "stats": self.stats}
 
 
 class Registry:
-    def __init__(self, static_timeout_s: float = 3.0, misses: float = 3.0) -> None:
+    def __init__(self, static_timeout_s: float = 3.0, misses: float = 3.0, hung_timeout_s: float = 60.0) -> None:
         self.workers: dict[str, Worker] = {}
         self.static_timeout_s = static_timeout_s
         self.misses = misses
+        self.hung_timeout_s = hung_timeout_s
 
     # ---- membership ----------------------------------------------------------------------------
     def add_static(self, role: str, address: str) -> Worker:
@@ -72,6 +95,10 @@ class Registry:
             if worker is None or worker.static:
                 return f"unknown worker_id {wid!r}: send register first", None
             worker.stats, worker.last_seen = msg["stats"], time.monotonic()
+            if worker.hung and worker.loop_age_s() < self.hung_timeout_s:
+                worker.hung, worker.alive = False, True
+                log.warning("hung worker is making progress again", worker_id=wid, role=worker.role)
+                self._update_gauges()
             return None, None
         return f"the router's listen socket does not accept {kind!r}", None
 
@@ -88,7 +115,8 @@ class Registry:
             return f"register: worker_id {wid!r} names a static worker", None
         replaced = old if old is not None and (old.address != address or old.role != role) else None
         if old is not None and replaced is None:
-            old.interval_s, old.last_seen, old.alive = msg["interval_ms"] / 1000, time.monotonic(), True
+            old.interval_s, old.last_seen = msg["interval_ms"] / 1000, time.monotonic()
+            old.alive, old.hung = True, False
             return None, None
         self.workers[wid] = Worker(worker_id=wid, role=role, address=address, model=msg["model"],
                                    interval_s=msg["interval_ms"] / 1000)
@@ -107,19 +135,31 @@ class Registry:
                     self._update_gauges()
 
     def expire(self, now: float | None = None) -> list[Worker]:
-        """Workers that just went silent for too long: removed (registered) or marked down (static)."""
+        """Workers that just died (silent too long: removed, or marked down if static) or hung (kept,
+        marked hung). The router retries or fails their requests."""
         now = time.monotonic() if now is None else now
         lost = []
         for worker in list(self.workers.values()):
-            if not worker.alive or now - worker.last_seen <= self.misses * worker.interval_s:
+            silent = now - worker.last_seen
+            if not worker.alive:
+                if worker.hung and silent > self.misses * worker.interval_s:
+                    del self.workers[worker.worker_id]  # a hung worker that died: its requests went already
                 continue
-            worker.alive = False
-            if not worker.static:
-                del self.workers[worker.worker_id]
-            metrics.WORKERS_LOST.labels(worker.role).inc()
-            log.warning("worker missed its heartbeats", worker_id=worker.worker_id, role=worker.role,
-                        silent_s=round(now - worker.last_seen, 2), static=worker.static)
-            lost.append(worker)
+            if silent > self.misses * worker.interval_s:
+                worker.alive = False
+                if not worker.static:
+                    del self.workers[worker.worker_id]
+                metrics.WORKERS_LOST.labels(worker.role).inc()
+                log.warning("worker missed its heartbeats", worker_id=worker.worker_id, role=worker.role,
+                            silent_s=round(silent, 2), static=worker.static)
+                lost.append(worker)
+            elif worker.loop_age_s(now) > self.hung_timeout_s:
+                worker.alive, worker.hung = False, True
+                metrics.WORKERS_HUNG.labels(worker.role).inc()
+                log.warning("worker is hung: alive, but its engine loop made no progress", worker_id=worker.worker_id,
+                            role=worker.role, loop_age_s=round(worker.loop_age_s(now), 1),
+                            hung_timeout_s=self.hung_timeout_s)
+                lost.append(worker)
         if lost:
             self._update_gauges()
         return lost
@@ -127,6 +167,12 @@ class Registry:
     # ---- queries --------------------------------------------------------------------------------
     def live(self, role: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role and w.alive]
+
+    def routable(self, role: str) -> list[Worker]:
+        """Live workers for new requests: those whose loop is not stalled, or all live ones if every
+        one is (a slow worker still beats none)."""
+        live = self.live(role)
+        return [w for w in live if not w.stalled] or live
 
     def statics(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.static]

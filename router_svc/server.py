@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -31,6 +32,7 @@ from router_svc.registry import Registry
 from plugins.routing import resolve_policy
 
 log = structlog.get_logger(__name__)
+ROUTER_STALL_S = 0.5  # housekeeping this late: skip one expiry round (see _housekeeping)
 
 
 @dataclass(slots=True)
@@ -47,7 +49,8 @@ class RouterConfig:
     prefill_policy: str = "prefix_affinity"
     max_inflight: int = 256
     static_timeout_s: float = 3.0  # static workers: silent this long = down
-    heartbeat_misses: float = 3.0  # registered workers: this many missed intervals = removed
+    heartbeat_misses: float = 4.0  # registered workers: this many missed 0.5 s intervals = dead (~2 s)
+    hung_timeout_s: float = 60.0  # alive but no engine-loop progress this long = hung, handled like dead
     block_size: int = 16
     affinity_blocks: int = 4
     tick_s: float = 0.1
@@ -57,7 +60,7 @@ class RouterConfig:
         for name in ("max_inflight", "block_size", "affinity_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("static_timeout_s", "heartbeat_misses", "tick_s"):
+        for name in ("static_timeout_s", "heartbeat_misses", "hung_timeout_s", "tick_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -66,7 +69,7 @@ class RouterService:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.model = ServedModel(config.model, config.served_model_name)
-        self.registry = Registry(config.static_timeout_s, config.heartbeat_misses)
+        self.registry = Registry(config.static_timeout_s, config.heartbeat_misses, config.hung_timeout_s)
         self.ctx = zmq.asyncio.Context()
         self.links: WorkerLinks | None = None
         self.router: Router | None = None
@@ -128,10 +131,15 @@ class RouterService:
         assert self.links is not None
         serving = None
         poll_every = max(1, round(self.config.static_timeout_s / self.config.heartbeat_misses / self.config.tick_s))
-        tick = 0
+        tick, last = 0, time.monotonic()
         while True:
-            for worker in self.registry.expire():
-                self._lost(worker)
+            now = time.monotonic()
+            # If this loop was away (a long tokenization, GC), heartbeats may be waiting unread in
+            # the listen socket: silence measured across that gap says nothing about the workers.
+            if now - last <= ROUTER_STALL_S:
+                for worker in self.registry.expire(now):
+                    self._lost(worker)
+            last = now
             if tick % poll_every == 0:
                 for worker in self.registry.statics():
                     self.links.try_send(worker.address, "stats")

@@ -25,10 +25,12 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
 
 
 class Proc:
-    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
+    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str | None] | None = None) -> None:
         self.name, self.log = name, log_dir / f"{name}.log"
-        self.popen = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL)
+        # `env` adds to ENV; a None value removes the variable
+        merged = {k: v for k, v in {**ENV, **(env or {})}.items() if v is not None}
+        self.popen = subprocess.Popen(args, cwd=ROOT, env=merged, stdout=self.log.open("w"),
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def wait_for(self, pattern: str, timeout: float = 90) -> re.Match:
         deadline = time.monotonic() + timeout

@@ -50,12 +50,13 @@ def test_dry_run_prints_the_exact_commands(capsys):
     for i in range(2):
         assert remote[1 + i] == ["env", f"CUDA_VISIBLE_DEVICES={i}", *python, "prefill", *model, "--kv-connector",
                                  "zmq", "--listen", f"tcp://0.0.0.0:{6000 + i}", "--router", "tcp://10.0.0.1:5557",
-                                 "--worker-id", f"10.0.0.2-prefill-{i}", "--advertise", f"tcp://10.0.0.2:{6000 + i}",
+                                 "--worker-id", f"10.0.0.2-prefill-{i}", "--cpus", f"{i}/2",
+                                 "--advertise", f"tcp://10.0.0.2:{6000 + i}",
                                  *engine]
         assert remote[3 + i] == ["env", f"CUDA_VISIBLE_DEVICES={i}", *python, "decode", "--model",
                                  "/data/models/Llama-3.1-8B-Instruct", "--kv-connector", "zmq", "--listen",
                                  f"tcp://0.0.0.0:{6100 + i}", "--router", "tcp://10.0.0.1:5557", "--worker-id",
-                                 f"10.0.0.3-decode-{i}", "--advertise", f"tcp://10.0.0.3:{6100 + i}",
+                                 f"10.0.0.3-decode-{i}", "--cpus", f"{i}/2", "--advertise", f"tcp://10.0.0.3:{6100 + i}",
                                  "--kv-listen", f"tcp://10.0.0.3:{6200 + i}", *engine,
                                  "--local-prefill-threshold", "16"]
 
@@ -64,7 +65,7 @@ BAD = [  # (YAML, what the one-line error must say)
     ("router: {host: localhost}\nhosts: [{host: localhost, decode: {count: 1}}]\nkv_conector: zmq\n",
      "kv_conector: unknown key"),
     ("router: {host: localhost}\nhosts: [{host: localhost, decode: {count: 1, cont: 2}}]\n",
-     "hosts[0].decode.cont: unknown key (expected one of: count, port, kv_port, args, env)"),
+     "hosts[0].decode.cont: unknown key (expected one of: count, port, kv_port, cpus, args, env)"),
     ("router: {host: localhost, htp_port: 1}\nhosts: [{host: localhost, decode: {count: 1}}]\n",
      "router.htp_port: unknown key"),
     ("router: {host: localhost}\nengine: {num_kv_block: 4}\nhosts: [{host: localhost, decode: {count: 1}}]\n",
@@ -83,6 +84,14 @@ BAD = [  # (YAML, what the one-line error must say)
      "hosts: [{host: localhost, decode: {count: 1, args: [--bogus]}}]\n",
      "hosts[0].decode: the command `tandem decode"),
     ("hosts: []\n", "missing required key 'router'"),
+    ("router: {host: localhost}\nhosts: [{host: localhost, prefill: {count: 1, cpus: 0-1},"
+     " decode: {count: 1, cpus: 1-3}}]\n", "hosts[0]: prefill.cpus and decode.cpus overlap on cores 1"),
+    ("router: {host: localhost}\nhosts: [{host: localhost, prefill: {count: 1, cpus: '0'}, decode: {count: 1}}]\n",
+     "hosts[0].decode.cpus: set cpus for both roles on a host, or for neither"),
+    ("router: {host: localhost}\nkv_connector: none\nhosts: [{host: localhost, decode: {count: 1, cpus: '3-1'}}]\n",
+     "hosts[0].decode.cpus: cpuset '3-1': the range '3-1' is empty"),
+    ("router: {host: localhost}\nkv_connector: none\nhosts: [{host: localhost, decode: {count: 3, cpus: '0-1'}}]\n",
+     "hosts[0].decode.cpus: 2 cores for 3 workers"),
     ("router: [oops\n", "is not valid YAML"),
 ]
 

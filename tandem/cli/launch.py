@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.cli import cpus
 from tandem.cli.supervise import Supervisor, engine_actions, engine_flags, run_supervised, wait_healthy
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -33,7 +34,7 @@ TOP_KEYS = ("model", "kv_connector", "engine", "ssh", "router", "hosts")
 SSH_KEYS = ("user", "port", "options", "python")
 ROUTER_KEYS = ("host", "bind", "http_port", "grpc_port", "listen_port", "model", "python", "args")
 HOST_KEYS = ("host", "user", "python", "model", "prefill", "decode")
-ROLE_KEYS = ("count", "port", "kv_port", "args", "env")
+ROLE_KEYS = ("count", "port", "kv_port", "cpus", "args", "env")
 DEFAULT_PORTS = {"prefill": 6000, "decode": 6100}
 
 
@@ -138,6 +139,7 @@ def validate(raw: Any) -> dict[str, Any]:
             h[role] = _role(h.get(role, {}), f"hosts[{i}].{role}", role, local=h["host"] in LOCAL_HOSTS)
     _check_roles(connector, hosts)
     _check_ports(router, hosts)
+    _check_cpus(hosts)
     return {"model": top.get("model"), "kv_connector": connector, "engine": engine,
             "ssh": ssh, "router": router, "hosts": hosts}
 
@@ -152,6 +154,20 @@ def _check_roles(connector: str, hosts: list[dict[str, Any]]) -> None:
         raise ValueError("hosts: no prefill workers; add some, or set kv_connector: none (colocated decode)")
     if connector == "shm" and len([h for h in hosts if h["prefill"]["count"] or h["decode"]["count"]]) > 1:
         raise ValueError("kv_connector: 'shm' works within one host; use zmq or torch_dist across hosts")
+
+
+def _check_cpus(hosts: list[dict[str, Any]]) -> None:
+    """Workers on one host must not share cores unless nobody said which: then they split the mask."""
+    for i, h in enumerate(hosts):
+        p, d = h["prefill"], h["decode"]
+        if p["count"] and d["count"] and (p["cpus"] is None) != (d["cpus"] is None):
+            missing = "prefill" if p["cpus"] is None else "decode"
+            raise ValueError(f"hosts[{i}].{missing}.cpus: set cpus for both roles on a host, or for neither "
+                             "(then the host's workers split its cores evenly)")
+        if p["count"] and d["count"] and p["cpus"] and d["cpus"]:
+            both = sorted(set(p["cpus"]) & set(d["cpus"]))
+            if both:
+                raise ValueError(f"hosts[{i}]: prefill.cpus and decode.cpus overlap on cores {cpus.format_cpuset(both)}")
 
 
 def _check_ports(router: dict[str, Any], hosts: list[dict[str, Any]]) -> None:
@@ -205,12 +221,20 @@ def _role(value: Any, where: str, role: str, local: bool) -> dict[str, Any]:
     count = r.get("count", 0)
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise ValueError(f"{where}.count: expected an integer >= 0, got {count!r}")
+    cores = None
+    if "cpus" in r:
+        try:
+            cores = cpus.parse_cpuset(_str(r["cpus"], f"{where}.cpus", scalar=True))
+        except ValueError as exc:
+            raise ValueError(f"{where}.cpus: {exc}") from None
+        if len(cores) < count:
+            raise ValueError(f"{where}.cpus: {len(cores)} cores for {count} workers; give each at least one")
     env = r.get("env", {})
     if not isinstance(env, dict):
         raise ValueError(f"{where}.env: expected a mapping of environment variables, got {env!r}")
     return {"count": count, "port": _port(r.get("port", DEFAULT_PORTS[role]), f"{where}.port", local),
             "kv_port": _port(r["kv_port"], f"{where}.kv_port", local) if "kv_port" in r else None,
-            "args": _str_list(r.get("args", []), f"{where}.args"),
+            "cpus": cores, "args": _str_list(r.get("args", []), f"{where}.args"),
             "env": {str(k): _str(v, f"{where}.env.{k}", scalar=True) for k, v in env.items()}}
 
 
@@ -264,14 +288,20 @@ def plan(cluster: dict[str, Any]) -> tuple[Planned, list[Planned]]:
     workers = []
     for i, h in enumerate(cluster["hosts"]):
         local = h["host"] in LOCAL_HOSTS
+        on_host, slot = h["prefill"]["count"] + h["decode"]["count"], 0
         for role in ("prefill", "decode"):
             spec = h[role]
             for k in range(spec["count"]):
+                # each worker its own cores: the role's cpuset cut in `count` slices, else its share of
+                # the host's affinity mask (decided on the host, whose core count we do not know here)
+                cores = (cpus.format_cpuset(cpus.slices(spec["cpus"], spec["count"])[k]) if spec["cpus"]
+                         else f"{slot}/{on_host}")
+                slot += 1
                 name = f"{h['host']}-{role}-{k}"
                 port = spec["port"] + k if spec["port"] else 0
                 argv = [role, *_model_flag(h.get("model", model)), "--kv-connector", connector,
                         "--listen", f"tcp://{'127.0.0.1' if local else '0.0.0.0'}:{port}",
-                        "--router", registration, "--worker-id", name]
+                        "--router", registration, "--worker-id", name, "--cpus", cores]
                 if not local:  # bound on every interface; the router must be told where to reach us
                     argv += ["--advertise", f"tcp://{h['host']}:{port}"]
                 if role == "decode" and connector != "none" and (spec["kv_port"] is not None or not local):

@@ -34,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="admission limit: requests in flight beyond this get HTTP 429 / RESOURCE_EXHAUSTED")
     p.add_argument("--heartbeat-misses", type=float, default=3.0,
                    help="a registered worker silent for this many of its heartbeat intervals is removed")
+    p.add_argument("--hung-timeout", type=float, default=60.0,
+                   help="seconds a live worker may make no engine-loop progress before it is treated as dead "
+                        "(its requests retried or failed); a slower worker only gets fewer new requests")
     p.add_argument("--static-timeout", type=float, default=3.0,
                    help="seconds a static worker may go without answering the router's stats poll")
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (for prefix affinity)")
@@ -59,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
                           decode=args.decode, prefill=args.prefill, decode_policy=args.decode_policy,
                           prefill_policy=args.prefill_policy, max_inflight=args.max_inflight,
                           static_timeout_s=args.static_timeout, heartbeat_misses=args.heartbeat_misses,
+                          hung_timeout_s=args.hung_timeout,
                           block_size=args.block_size, affinity_blocks=args.affinity_blocks,
                           metrics_port=args.metrics_port)
     asyncio.run(serve(config))

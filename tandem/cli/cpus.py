@@ -1,0 +1,154 @@
+"""CPU cores shared out, not fought over: the plan for co-located workers and how a worker applies it.
+
+Two torch processes that both use every core stall each other in OpenMP barriers (spinning threads
+wait for a thread the other process preempted), for seconds at a time. So:
+- the **budget** is the cores this process may run on (its affinity mask), capped by a container's
+  CPU quota (compose `cpus:`, a Kubernetes CPU limit) and by an exported `OMP_NUM_THREADS`: on a
+  shared machine that variable is the share the user gave *all* of tandem, not a per-worker count;
+- `plan()` gives each co-located worker a disjoint slice of the budget (decode workers get the
+  remainder: their steps are latency-bound), or `per_worker` cores each when asked;
+- a worker started with `--cpus` pins itself to its slice (`apply()`: `sched_setaffinity` and
+  `torch.set_num_threads(len(slice))`); one started without takes what its affinity mask allows.
+
+`--cpus` takes a cpuset ("0-3,8") or a share "i/n": slice i of n of the worker's own affinity mask,
+for hosts whose core count the launcher does not know (`tandem launch` over ssh).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Mapping
+
+
+def available() -> list[int]:
+    """The cores this process may run on."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def cgroup_cpu_limit(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:
+    """Whole cores of a container's CPU quota (cgroup v2 `cpu.max`: "QUOTA PERIOD" or "max PERIOD"),
+    rounded up; None without a quota. Compose `cpus:` and Kubernetes CPU limits set it: the affinity
+    mask still shows every core of the host, but only this many can run at once."""
+    try:
+        with open(path) as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    return max(1, -(-int(quota) // int(period)))
+
+
+def budget(env: Mapping[str, str]) -> list[int]:
+    """The cores tandem may use here: the affinity mask, capped by a container's CPU quota and by an
+    exported OMP_NUM_THREADS."""
+    cores = available()
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        cores = cores[:limit]
+    omp = env.get("OMP_NUM_THREADS", "").strip()
+    if omp:
+        if not omp.isdigit() or int(omp) < 1:
+            raise ValueError(f"OMP_NUM_THREADS={omp!r} is not a positive integer")
+        cores = cores[:int(omp)]
+    return cores
+
+
+def format_cpuset(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    parts, i = [], 0
+    while i < len(cores):
+        j = i
+        while j + 1 < len(cores) and cores[j + 1] == cores[j] + 1:
+            j += 1
+        parts.append(str(cores[i]) if i == j else f"{cores[i]}-{cores[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def parse_cpuset(text: str) -> list[int]:
+    """"0-3,8" -> [0, 1, 2, 3, 8]; ValueError naming what is wrong."""
+    if not text.strip():
+        raise ValueError(f"cpuset {text!r} is empty")
+    cores: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise ValueError(f"cpuset {text!r}: {part!r} is not a core number or a range like 0-3")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo:
+            raise ValueError(f"cpuset {text!r}: the range {part!r} is empty")
+        cores.update(range(lo, hi + 1))
+    if not cores:
+        raise ValueError(f"cpuset {text!r} is empty")
+    return sorted(cores)
+
+
+def resolve(spec: str, allowed: list[int] | None = None) -> list[int]:
+    """A worker's `--cpus` value (cpuset or share "i/n") -> its cores, all within `allowed`."""
+    share = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", spec)
+    if allowed is None:  # a share divides the budget; a cpuset must lie within the mask
+        allowed = budget(os.environ) if share else available()
+    if share:
+        i, n = int(share.group(1)), int(share.group(2))
+        if not 0 <= i < n:
+            raise ValueError(f"--cpus {spec}: a share is i/n with 0 <= i < n")
+        if n > len(allowed):  # more workers than cores: they share, one core each
+            return [allowed[i % len(allowed)]]
+        return slices(allowed, n)[i]
+    cores = parse_cpuset(spec)
+    outside = [c for c in cores if c not in allowed]
+    if outside:
+        raise ValueError(f"--cpus {spec}: cores {format_cpuset(outside)} are not available to this process "
+                         f"(its affinity mask allows {format_cpuset(allowed)})")
+    return cores
+
+
+def slices(cores: list[int], n: int) -> list[list[int]]:
+    """`cores` cut into n contiguous slices; the last ones get the remainder."""
+    base, extra = divmod(len(cores), n)
+    sizes = [base + (1 if i >= n - extra else 0) for i in range(n)]
+    out, start = [], 0
+    for size in sizes:
+        out.append(cores[start:start + size])
+        start += size
+    return out
+
+
+def plan(names: list[str], cores: list[int], per_worker: int | None = None) -> dict[str, list[int]]:
+    """Disjoint cores for each worker (in the order given; decode workers last get any remainder).
+    With more workers than cores they must share: one core each, round-robin."""
+    if per_worker is not None:
+        if per_worker < 1:
+            raise ValueError(f"--cpus-per-worker must be >= 1, got {per_worker}")
+        need = per_worker * len(names)
+        if need > len(cores):
+            raise ValueError(f"--cpus-per-worker {per_worker} x {len(names)} workers needs {need} cores, but only "
+                             f"{len(cores)} are available (cpus {format_cpuset(cores)}; an exported "
+                             "OMP_NUM_THREADS also caps it)")
+        return {name: cores[i * per_worker:(i + 1) * per_worker] for i, name in enumerate(names)}
+    if len(names) > len(cores):
+        return {name: [cores[i % len(cores)]] for i, name in enumerate(names)}
+    return dict(zip(names, slices(cores, len(names))))
+
+
+def describe(assignment: dict[str, list[int]]) -> str:
+    return ", ".join(f"{name} cpus {format_cpuset(c)} ({len(c)} thread{'s' * (len(c) != 1)})"
+                     for name, c in assignment.items())
+
+
+def apply(spec: str | None) -> list[int]:
+    """Pin this process to its cores and size torch's thread pool to match; returns the cores."""
+    import torch
+
+    if spec is not None:
+        cores = resolve(spec)
+        os.sched_setaffinity(0, cores)
+    else:
+        cores = budget(os.environ)
+    torch.set_num_threads(len(cores))
+    return cores
