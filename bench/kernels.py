@@ -36,7 +36,6 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = _bench_ms(lambda: dst.copy_(src))
-    del src, dst
     return 2 * nbytes / ms / 1e6
 
 

@@ -30,7 +30,6 @@ BENCH_MODEL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, nu
 
 def build_model(path: str) -> None:
     import transformers as tf
-
     from tiny_models import write_tokenizer
 
     torch.manual_seed(0)
@@ -88,8 +87,8 @@ def run_transformers(path: str, work, batch: int = 16) -> tuple[float, int]:
 def batch1_decode(path: str, steps: int = 128) -> float:
     """Decode tokens/s of one request after its prompt (prefill time excluded)."""
     from tandem import SamplingParams
-    from tandem.engine.llm_engine import LLMEngine
     from tandem.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=path, max_model_len=1024, kv_cache_memory_gb=0.5))
     # Warm-up: the first steps of a fresh process pay for page faults and allocator growth.

@@ -17,8 +17,16 @@ import triton
 import triton.language as tl
 
 from kernels.triton_common import (
-    LOG2E, check_cache, check_heads, dot_dtype, load_paged_tile, next_pow2, online_softmax_step,
-    scale_args, cast_to, sm_count,
+    LOG2E,
+    cast_to,
+    check_cache,
+    check_heads,
+    dot_dtype,
+    load_paged_tile,
+    next_pow2,
+    online_softmax_step,
+    scale_args,
+    sm_count,
 )
 
 BLOCK_N = 64  # keys per tile: 16 KB of bf16 K at head_dim 128, several cache blocks per tile

@@ -17,8 +17,16 @@ import triton
 import triton.language as tl
 
 from kernels.triton_common import (
-    LOG2E, cast_to, check_cache, check_heads, dot_dtype, load_paged_tile, next_pow2, on_gpu,
-    online_softmax_step, scale_args,
+    LOG2E,
+    cast_to,
+    check_cache,
+    check_heads,
+    dot_dtype,
+    load_paged_tile,
+    next_pow2,
+    on_gpu,
+    online_softmax_step,
+    scale_args,
 )
 
 

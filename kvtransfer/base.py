@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Union
 
 import torch
@@ -118,10 +118,12 @@ class LayerReceived:
 
 @dataclass(frozen=True, slots=True)
 class TransferDone:
-    """Every layer of every expected block arrived intact and the sender declared the request finished."""
+    """Every layer of every expected block arrived intact and the sender declared the request finished.
+    `result`: what the sender attached to its completion (a prefill worker: the first token)."""
 
     request_id: str
     bytes: int
+    result: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,15 +200,18 @@ class KVSender(ABC):
         """Non-blocking: packs now (P may reuse its blocks on return), transmits in the background."""
 
     @abstractmethod
-    def finish_async(self, request_id: str, address: str | None = None) -> Future:
+    def finish_async(self, request_id: str, address: str | None = None,
+                     result: dict[str, Any] | None = None) -> Future:
         """Declare the request complete; the Future resolves to the receiver's verdict (True: every
-        layer arrived intact). `address` is needed only when no layer was sent for it."""
+        layer arrived intact). `address` is needed only when no layer was sent for it. `result`
+        (a msgpack-able map) reaches the receiver in TransferDone.result."""
 
-    def finish(self, request_id: str, timeout_s: float, address: str | None = None) -> bool:
+    def finish(self, request_id: str, timeout_s: float, address: str | None = None,
+               result: dict[str, Any] | None = None) -> bool:
         """finish_async and wait; False on refusal, cancel or timeout. D acknowledges from its poll(),
         so this waits up to one D step: call it off P's step loop, or use finish_async."""
         try:
-            return bool(self.finish_async(request_id, address).result(timeout=timeout_s))
+            return bool(self.finish_async(request_id, address, result).result(timeout=timeout_s))
         except FutureTimeout:
             return False
 

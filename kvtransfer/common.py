@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from kvtransfer.base import CacheLayout
-from kvtransfer.wire import MAX_ID_LEN, KVHeader
+from kvtransfer.wire import KVHeader
+from tandem.protocol.codec import MAX_ID_LEN
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import structlog
@@ -33,7 +33,14 @@ from kvtransfer import wire
 from kvtransfer.base import CacheLayout, KVReceiver, LayerReceived, TransferDone, TransferEvent, TransferFailed
 from kvtransfer.blocks import scatter
 from kvtransfer.common import (
-    Arrival, Control, DropLog, PeerFailed, WakePipe, check_block_ids, check_caches, check_request_id,
+    Arrival,
+    Control,
+    DropLog,
+    PeerFailed,
+    WakePipe,
+    check_block_ids,
+    check_caches,
+    check_request_id,
     resolve_endpoint,
 )
 from kvtransfer.receiver_io import Peer, ReceiverIO
@@ -52,6 +59,7 @@ class _Pending:
     messages: int = 0
     nbytes: int = 0
     done: tuple[int, int] | None = None
+    result: dict = field(default_factory=dict)  # the sender's completion map (a prefill worker: first token)
 
 
 @dataclass(slots=True)
@@ -228,6 +236,7 @@ class BaseReceiver(ReceiverIO, KVReceiver):
                                            reason="request not expected here (never, cancelled or timed out)"))
             return
         req.peer, req.done, req.last_ns = c.peer, (c.msg["messages"], c.msg["bytes"]), time.monotonic_ns()
+        req.result = c.msg["result"]
         self._try_complete(rid, req)
 
     def _try_complete(self, rid: str, req: _Pending) -> None:
@@ -244,7 +253,7 @@ class BaseReceiver(ReceiverIO, KVReceiver):
         if reason:
             self._events.append(TransferFailed(rid, reason))
         else:
-            self._events.append(TransferDone(rid, req.nbytes))
+            self._events.append(TransferDone(rid, req.nbytes, req.result))
         if req.peer is not None:  # always set once a done arrived; keeps the type checker honest
             self._send(req.peer, wire.encode("done_ack", request_id=rid, ok=not reason, reason=reason))
 

@@ -110,32 +110,32 @@ class ReceiverIO:
         except wire.ProtocolError as exc:
             self.drops(str(exc).split(":")[0][:40], detail=str(exc)[:200])
             if info is None:  # a sender that never handshook (or a bad handshake) is told why
-                self._reply_now(peer, wire.encode("error", reason=str(exc)))
+                self._reply_now(peer, wire.encode("kv_error", reason=str(exc)))
 
     def _handshake(self, peer: bytes, msg: dict[str, Any]) -> bytes:
         if msg["connector"] != self.connector_name:
-            return wire.encode("error", reason=f"connector mismatch: sender speaks {msg['connector'][:40]!r}, "
+            return wire.encode("kv_error", reason=f"connector mismatch: sender speaks {msg['connector'][:40]!r}, "
                                                f"receiver at {self._address} is {self.connector_name!r}")
         try:
             theirs = CacheLayout.from_dict(msg["layout"])
         except (ValueError, TypeError) as exc:
-            return wire.encode("error", reason=f"bad layout in handshake: {exc}")
+            return wire.encode("kv_error", reason=f"bad layout in handshake: {exc}")
         diffs = self.layout.mismatches(theirs, "receiver", "sender")
         if diffs:
-            return wire.encode("error", reason="KV cache layout mismatch: " + "; ".join(diffs))
+            return wire.encode("kv_error", reason="KV cache layout mismatch: " + "; ".join(diffs))
         data_id = msg["data_id"]
         with self._peers_lock:
             if data_id is not None and data_id in self.peers and self.peers[data_id].identity != peer:
-                return wire.encode("error", reason="data_id already belongs to another sender")
+                return wire.encode("kv_error", reason="data_id already belongs to another sender")
             old = self.remove_peer(peer)
             if old is None and len({i.identity for i in self.peers.values()}) >= self.MAX_PEERS:
-                return wire.encode("error", reason=f"receiver already has {self.MAX_PEERS} senders")
+                return wire.encode("kv_error", reason=f"receiver already has {self.MAX_PEERS} senders")
         if old is not None:
             self._drop_peer(old)
         try:
             extra, state = self._accept_peer(peer, msg["sender_id"])
         except ValueError as exc:
-            return wire.encode("error", reason=str(exc))
+            return wire.encode("kv_error", reason=str(exc))
         info = Peer(msg["sender_id"], peer, data_id, state)
         with self._peers_lock:
             self.peers[peer] = info

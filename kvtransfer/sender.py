@@ -171,7 +171,8 @@ class BaseSender(SenderIO, KVSender):
         conn.data.send_multipart([item.header, *item.frames], copy=False)
         self.stats.bytes_sent += item.nbytes
 
-    def finish_async(self, request_id: str, address: str | None = None) -> Future:
+    def finish_async(self, request_id: str, address: str | None = None,
+                     result: dict[str, Any] | None = None) -> Future:
         fut: Future = Future()
         fut.add_done_callback(self._count_outcome)
         with self._lock:
@@ -187,7 +188,8 @@ class BaseSender(SenderIO, KVSender):
             self._requests.pop(request_id, None)
             self._finishing[request_id] = fut
             fut.add_done_callback(lambda _: self._forget_finishing(request_id, fut))
-            done = wire.encode("done", request_id=request_id, messages=req.messages, bytes=req.nbytes)
+            done = wire.encode("done", request_id=request_id, messages=req.messages, bytes=req.nbytes,
+                               result=result or {})
             self._send(conn, req.address, Outgoing(request_id, done, "done"))  # after the data, same socket
         return fut
 

@@ -165,7 +165,7 @@ class SenderIO:
                 self._drops("malformed_reply", address=link.address, detail=str(exc)[:200])
                 continue
             kind = msg["type"] if msg else None
-            if kind in ("hello_ok", "error") and link.hello is not None and not link.hello.done():
+            if kind in ("hello_ok", "kv_error") and link.hello is not None and not link.hello.done():
                 if kind == "hello_ok":
                     link.hello.set_result(msg)
                 else:

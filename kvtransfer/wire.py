@@ -1,15 +1,17 @@
-"""Wire format of the KV connectors: msgpack control/header maps, their validation, payload checksums.
+"""Wire format of the KV connectors: the transfer's message types, their validation against the local
+cache layout, payload checksums. Messages go through the one codec (tandem/protocol/codec.py).
 
-Every message is one msgpack map with `type` and `version`; KV data follows the header as raw
-frames (zmq), already sits in D's memory (shm), or follows over torch.distributed (torch_dist).
-Nothing is ever pickled. `decode` + `parse_kv` reject anything malformed with `ProtocolError`,
-whose text goes to the log (and back to the peer for a bad handshake).
+Every message is one msgpack map with `type` and `v`; KV data follows the header as raw frames
+(zmq), already sits in D's memory (shm), or follows over torch.distributed (torch_dist). Nothing is
+ever pickled. `decode` + `parse_kv` reject anything malformed with `ProtocolError`, whose text goes
+to the log (and back to the peer for a bad handshake).
 
     hello       sender -> receiver   connector, sender_id, layout, data_id (identity of its data socket)
     hello_ok    receiver -> sender   layout, extra (connector specific: shm segment, store address)
-    error       receiver -> sender   reason
+    kv_error    receiver -> sender   reason (the handshake is refused)
     kv          sender -> receiver   request_id, layer, dest_block_ids, dtype, shape, scale_shape, checksum, tag
-    done        sender -> receiver   request_id, messages, bytes (what the sender sent for it)
+    done        sender -> receiver   request_id, messages, bytes (what the sender sent for it), result
+                                     (a map for the receiver: a prefill worker's first token + logprobs)
     done_ack    receiver -> sender   request_id, ok, reason
     cancel      either way           request_id
     cancel_ack  sender -> receiver   request_id (the sender will write nothing more for it)
@@ -19,99 +21,88 @@ from __future__ import annotations
 
 import ctypes
 import zlib
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-import msgpack
 import torch
 
 from kvtransfer.base import CacheLayout
+from tandem.protocol import codec
+from tandem.protocol.codec import PROTOCOL_VERSION, Blob, Bool, Count, Id, Ints, Map, ProtocolError, Text, message
 
-PROTOCOL_VERSION = 1
+__all__ = ["PROTOCOL_VERSION", "ProtocolError", "KV_MESSAGES", "encode", "decode"]
 MAX_HEADER_BYTES = 1 << 20  # a header lists block ids; 1 MiB is ~200k blocks, far beyond any request
-MAX_ID_LEN = 512
-MAX_INT = (1 << 63) - 1
 MAX_TAG = (1 << 31) - 1  # torch.distributed tags are C ints
 
 
-class ProtocolError(ValueError):
-    """A message that does not follow this file; the text says what is wrong with it."""
+@message("hello")
+class Hello:
+    connector: Id
+    sender_id: Id
+    layout: Map
+    data_id: Blob | None
 
 
-def _is_int(v: Any, lo: int = 0, hi: int = MAX_INT) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+@message("hello_ok")
+class HelloOk:
+    layout: Map
+    extra: Map
 
 
-def _int(v: Any) -> bool:
-    return _is_int(v)
+@message("kv_error")
+class KVError:
+    reason: Text
 
 
-def _str(v: Any) -> bool:
-    return isinstance(v, str) and 0 < len(v) <= MAX_ID_LEN
+@message("kv")
+class KV:
+    request_id: Id
+    layer: Count
+    dest_block_ids: Ints
+    dtype: Id
+    shape: Ints
+    scale_shape: Ints | None
+    checksum: Count | None = field(default=None, metadata={"max": 0xFFFFFFFF})
+    tag: Count | None = field(default=None, metadata={"max": MAX_TAG})
 
 
-def _int_list(v: Any) -> bool:
-    # type(x) is int rejects bools; min/max bound the values without a call per element
-    return isinstance(v, list) and all(type(x) is int for x in v) and (not v or (min(v) >= 0 and max(v) <= MAX_INT))
+@message("done")
+class Done:
+    request_id: Id
+    messages: Count
+    bytes: Count
+    result: Map
 
 
-def _opt(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: v is None or check(v)
+@message("done_ack")
+class DoneAck:
+    request_id: Id
+    ok: Bool
+    reason: Text
 
 
-_SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
-    "hello": {"connector": _str, "sender_id": _str, "layout": lambda v: isinstance(v, dict),
-              "data_id": _opt(lambda v: isinstance(v, bytes) and 0 < len(v) <= 255)},
-    "hello_ok": {"layout": lambda v: isinstance(v, dict), "extra": lambda v: isinstance(v, dict)},
-    "error": {"reason": lambda v: isinstance(v, str)},
-    "kv": {
-        "request_id": _str,
-        "layer": _int,
-        "dest_block_ids": _int_list,
-        "dtype": _str,
-        "shape": _int_list,
-        "scale_shape": _opt(_int_list),
-        "checksum": _opt(lambda v: _is_int(v, 0, 0xFFFFFFFF)),
-        "tag": _opt(lambda v: _is_int(v, 0, MAX_TAG)),
-    },
-    "done": {"request_id": _str, "messages": _int, "bytes": _int},
-    "done_ack": {"request_id": _str, "ok": lambda v: isinstance(v, bool), "reason": lambda v: isinstance(v, str)},
-    "cancel": {"request_id": _str},
-    "cancel_ack": {"request_id": _str},
-}
+@message("cancel")
+class Cancel:
+    request_id: Id
+
+
+@message("cancel_ack")
+class CancelAck:
+    request_id: Id
+
+
+KV_MESSAGES = frozenset({"hello", "hello_ok", "kv_error", "kv", "done", "done_ack", "cancel", "cancel_ack"})
 
 
 def encode(msg_type: str, **fields: Any) -> bytes:
-    if msg_type not in _SCHEMAS:
-        raise ValueError(f"unknown message type {msg_type!r}")
-    return msgpack.packb({"type": msg_type, "version": PROTOCOL_VERSION, **fields}, use_bin_type=True)
+    if msg_type not in KV_MESSAGES:
+        raise ValueError(f"unknown KV message type {msg_type!r}")
+    return codec.encode(msg_type, **fields)
 
 
 def decode(raw: bytes | memoryview) -> dict[str, Any]:
     """Bytes -> validated map (type, version and every field checked), or ProtocolError."""
-    if len(raw) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
-    try:
-        msg = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_str_len=MAX_HEADER_BYTES)
-    except Exception as exc:  # msgpack raises a zoo of types on garbage; all mean "not a header"
-        raise ProtocolError(f"not a msgpack header: {type(exc).__name__}") from None
-    if not isinstance(msg, dict):
-        raise ProtocolError(f"header must be a map, got {type(msg).__name__}")
-    version = msg.get("version")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {version!r}; this side speaks {PROTOCOL_VERSION}")
-    schema = _SCHEMAS.get(msg.get("type"))  # type: ignore[arg-type]
-    if schema is None:
-        raise ProtocolError(f"unknown message type {str(msg.get('type'))[:40]!r}")
-    fields = msg.keys() - {"type", "version"}
-    if fields != schema.keys():
-        raise ProtocolError(
-            f"{msg['type']}: fields missing {sorted(schema.keys() - fields)} / unknown {sorted(map(str, fields - schema.keys()))[:5]}"
-        )
-    for name, check in schema.items():
-        if not check(msg[name]):
-            raise ProtocolError(f"{msg['type']}: bad value for {name!r}: {str(msg[name])[:60]}")
-    return msg
+    return codec.decode(raw, KV_MESSAGES, MAX_HEADER_BYTES)
 
 
 @dataclass(slots=True)
@@ -162,8 +153,8 @@ def parse_kv(msg: dict[str, Any], layout: CacheLayout) -> KVHeader:
     if msg["scale_shape"] != want_scale:
         raise ProtocolError(f"kv: scale_shape {str(msg['scale_shape'])[:40]} but expected {want_scale}")
     return KVHeader(
-        request_id=msg["request_id"], layer=msg["layer"], dest_block_ids=ids, checksum=msg["checksum"],
-        tag=msg["tag"], data_nbytes=n * layout.block_nbytes, scale_nbytes=n * layout.scale_block_nbytes,
+        request_id=msg["request_id"], layer=msg["layer"], dest_block_ids=ids, checksum=msg.get("checksum"),
+        tag=msg.get("tag"), data_nbytes=n * layout.block_nbytes, scale_nbytes=n * layout.scale_block_nbytes,
     )
 
 

@@ -1,13 +1,15 @@
 """The built-in plugin: tandem's own strategies, published through the same hooks a third-party
-package uses (so `tandem plugins` lists them side by side, source `tandem-llm`).
+package uses (so `tandem plugins` lists them side by side, source `tandem-llm`). plugins/manager.py
+registers this module with pluggy as pytest registers its built-in plugins.
 
 Strategies that other parts of the tree own are imported lazily, when their kind is first
 collected, and a part that is not built yet contributes nothing:
 
 - speculators: `plugins/speculators.py` exposes `SPECULATORS: dict[str, type]`
-- connectors:  `kvtransfer` exposes `CONNECTORS: dict[str, type]`
-- routing:     `plugins/routing.py` exposes `ROUTING_POLICIES: dict[str, type]` (it imports nothing
-               from the services beyond the engine's block hash, so loading it here stays cheap)
+- connectors:  `kvtransfer` exposes `CONNECTORS`, a name -> class mapping that imports each
+               connector module on first access (so collecting this kind imports all three)
+- routing:     `plugins/routing.py` exposes `ROUTING_POLICIES: dict[str, type]` (standard library
+               only, so the router loads it without torch)
 """
 
 from __future__ import annotations

@@ -1,45 +1,19 @@
-"""Eviction policies: which free block that still holds cached KV gets reused first.
+"""Built-in eviction policies `lru` and `lfu` (`prefix_aware` is in plugins/eviction_prefix.py).
 
-The block pool owns ref counts and hashes; a policy only sees cached blocks entering and leaving the
-free set and answers `pop_victim()`. Blocks that hold no cached content never reach the policy
-(the pool reuses those first, they are worth nothing).
-
-Built-ins: `lru` (here), `lfu` (here), `prefix_aware` (plugins/eviction_prefix.py).
+They implement `tandem.engine.interfaces.eviction.EvictionPolicy` (re-exported here under its old
+name `plugins.eviction.EvictionPolicy` for existing plugins): which free block that still holds
+cached KV gets reused first.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from abc import ABC, abstractmethod
 from collections import OrderedDict
 
+from tandem.engine.interfaces.eviction import EvictionPolicy
 
-class EvictionPolicy(ABC):
-    """Ranks free cached blocks. Called by the block pool only, never per model step."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-
-    @abstractmethod
-    def block_freed(self, block_id: int, parent_id: int | None) -> None:
-        """A cached block's ref count fell to 0: it becomes a candidate. `parent_id` is the block
-        holding the previous block of the same prefix chain (None for a chain's first block)."""
-
-    @abstractmethod
-    def block_taken(self, block_id: int) -> None:
-        """A candidate was revived by a prefix-cache hit: it is no longer a candidate."""
-
-    def block_used(self, block_id: int) -> None:  # noqa: B027 (optional hook)
-        """A cached block was referenced by a request (hit or freshly filled); for frequency policies."""
-
-    @abstractmethod
-    def pop_victim(self) -> int:
-        """Remove and return the candidate to reuse now (its cached content will be overwritten)."""
-
-    @abstractmethod
-    def __len__(self) -> int:
-        """Number of candidates."""
+__all__ = ["EvictionPolicy", "LFUEviction", "LRUEviction"]
 
 
 class LRUEviction(EvictionPolicy):

@@ -11,12 +11,15 @@ through the `tandem` entry-point group:
 
     # my_package/tandem_plugin.py
     from plugins.hookspecs import hookimpl
+    from tandem.engine.interfaces.eviction import EvictionPolicy  # class FIFOEviction(EvictionPolicy)
 
     @hookimpl
     def tandem_eviction_policies():
         return {"fifo": FIFOEviction}
 
 A name may be registered by only one plugin per kind (a clash is a ValueError naming both packages).
+The interfaces the classes implement live in tandem/engine/interfaces/ (and kvtransfer.base for
+connectors): plugins depend on tandem, never the other way round.
 """
 
 from __future__ import annotations
@@ -37,27 +40,31 @@ class TandemHookSpecs:
 
     @hookspec
     def tandem_eviction_policies(self) -> dict[str, type[Any]]:
-        """Prefix-cache eviction policies. Each class subclasses `plugins.eviction.EvictionPolicy`
-        and is built as `cls(num_blocks)`; it ranks the free blocks that still hold cached KV."""
+        """Prefix-cache eviction policies. Each class subclasses
+        `tandem.engine.interfaces.eviction.EvictionPolicy` and is built as `cls(num_blocks)`; it
+        ranks the free blocks that still hold cached KV."""
 
     @hookspec
     def tandem_kv_quantizers(self) -> dict[str, type[Any]]:
         """KV-cache storage formats (`--kv-cache-dtype NAME`). Each class subclasses
-        `plugins.quantizers.KVQuantizer` and is built with no arguments; it names the cache dtype,
-        whether per-token-head scales exist, the bytes per block, and the per-layer transfer layout."""
+        `tandem.engine.interfaces.kv_quantizer.KVQuantizer` and is built with no arguments; it names
+        the cache dtype, whether per-token-head scales exist, the bytes per block, and the per-layer
+        transfer layout."""
 
     @hookspec
     def tandem_speculators(self) -> dict[str, type[Any]]:
         """Speculative-decoding proposers (`--speculator NAME`): each proposes k tokens per running
-        request; the interface is defined in plugins/speculators.py."""
+        request; the interface is `tandem.engine.interfaces.speculator.Speculator`."""
 
     @hookspec
     def tandem_kv_connectors(self) -> dict[str, type[Any]]:
-        """KV-transfer connectors between prefill and decode workers (see kvtransfer/)."""
+        """KV-transfer connectors between prefill and decode workers: subclasses of
+        `kvtransfer.base.KVConnector` (see kvtransfer/README.md)."""
 
     @hookspec
     def tandem_routing_policies(self) -> dict[str, type[Any]]:
-        """Router policies that pick a prefill and a decode worker per request."""
+        """Router policies that pick a prefill and a decode worker per request: subclasses of
+        `tandem.engine.interfaces.routing.RoutingPolicy`, built with no arguments."""
 
 
 # Plugin kind (as shown by `tandem plugins` and used by the registry) -> hook name.

@@ -1,10 +1,8 @@
-"""Routing policies: which live worker gets a request. The router keeps one policy for decode
-workers and one for prefill workers (`--decode-policy`, `--prefill-policy`).
-
-A policy is a class built with no arguments whose `choose(workers, request)` returns one of
-`workers` (never empty). Third-party policies register through the `tandem_routing_policies()`
-plugin hook and follow the same interface; this module imports nothing from the services so a
-plugin can subclass `RoutingPolicy` cheaply.
+"""Built-in routing policies. The router keeps one policy for decode workers and one for prefill
+workers (`--decode-policy`, `--prefill-policy`); the interface (`RoutingPolicy`, `RouteRequest`,
+`WorkerView`) is `tandem.engine.interfaces.routing`, re-exported here under the old names together
+with `prefix_key` (tandem/protocol/prefix_hash.py). Standard library only, like the interface: the
+router imports this without torch.
 
 - round_robin      rotate over the live workers.
 - least_loaded     fewest queued requests (the worker's last heartbeat — queue depth lags by up to
@@ -20,47 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Sequence
 
-from tandem.engine.block_pool import hash_block_tokens
+from tandem.engine.interfaces.routing import RouteRequest, RoutingPolicy, WorkerView
+from tandem.protocol.prefix_hash import prefix_key
 
-
-class WorkerView(Protocol):
-    """What a policy may look at (router_svc.registry.Worker satisfies it)."""
-
-    worker_id: str
-    address: str
-    stats: dict[str, Any]  # the worker's last heartbeat / stats_reply
-    inflight: int  # requests this router routed to it that have not finished (prefill: not started)
-
-
-@dataclass(slots=True)
-class RouteRequest:
-    request_id: str
-    token_ids: list[int]
-    prefix_key: bytes  # see prefix_key(); equal for requests sharing their first blocks
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def prefix_key(token_ids: Sequence[int], block_size: int, num_blocks: int) -> bytes:
-    """The chained hash of the first `num_blocks` full blocks (the same chain the workers' prefix
-    caches use), or of the whole prompt when it has no full block."""
-    n_full = min(len(token_ids) // block_size, num_blocks)
-    if n_full == 0:
-        return hash_block_tokens(None, token_ids)
-    h: bytes | None = None
-    for i in range(n_full):
-        h = hash_block_tokens(h, token_ids[i * block_size:(i + 1) * block_size])
-    assert h is not None
-    return h
-
-
-class RoutingPolicy:
-    name = "base"
-
-    def choose(self, workers: Sequence[WorkerView], request: RouteRequest) -> WorkerView:
-        raise NotImplementedError
+__all__ = ["ROUTING_POLICIES", "LeastLoaded", "PrefixAffinity", "RoundRobin", "RouteRequest", "RoutingPolicy",
+           "WorkerView", "prefix_key", "queued", "resolve_policy"]
 
 
 class RoundRobin(RoutingPolicy):
@@ -131,11 +95,7 @@ ROUTING_POLICIES: dict[str, type[RoutingPolicy]] = {
 
 
 def resolve_policy(name: str) -> RoutingPolicy:
-    """A fresh policy instance; names come from the plugin registry (built-ins + third-party)."""
-    try:
-        from plugins.registry import resolve_routing_policy
-    except ImportError:  # plugin system not importable: the built-ins still work
-        if name not in ROUTING_POLICIES:
-            raise ValueError(f"unknown routing policy {name!r}; available: {', '.join(sorted(ROUTING_POLICIES))}")
-        return ROUTING_POLICIES[name]()
-    return resolve_routing_policy(name)()
+    """A fresh policy instance (built-ins + third-party); see tandem.engine.strategies."""
+    from tandem.engine.strategies import resolve_routing_policy
+
+    return resolve_routing_policy(name)

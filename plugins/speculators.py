@@ -1,62 +1,21 @@
-"""Speculator plugins: the interface the engine calls to get speculated tokens, and the built-ins
-`ngram` (prompt lookup) and `draft_model` (a small checkpoint run by tandem's own model code; the
-machinery lives in plugins/draft_model.py).
+"""Built-in speculators: `ngram` (prompt lookup) and `draft_model` (a small checkpoint run by tandem's
+own model code; the machinery lives in plugins/draft_model.py).
 
-Contract with the engine (tandem/engine/llm_engine.py):
-1. Constructed once at engine start with a `SpeculatorContext` (resolved by name once, never per step).
-2. Each step, while speculation is on, `propose(requests)` gets the running requests that are
-   decoding (every token but the last sampled one is computed) and returns up to
-   `num_to_propose(req)` tokens per request id. A request missing from the answer is not speculated.
-3. A speculator that *sampled* its proposal (temperature > 0) leaves the distributions it sampled
-   from in `self.draft_probs[request_id]` ([k, V]) for exact rejection sampling; no entry means a
-   deterministic proposal (a point mass).
-4. `on_request_finished(request_id)` drops per-request state. There is no acceptance callback: the
-   next `propose` sees the accepted tokens in `req.token_ids`, which is the only truth to sync to.
+The interface and its contract with the engine are in `tandem.engine.interfaces.speculator`
+(`Speculator`, `SpeculatorContext`, re-exported here under their old `plugins.speculators.*` names for
+existing plugins).
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from array import array
-from dataclasses import dataclass
 from typing import Sequence
 
-import torch
-
-from tandem.config import EngineConfig
+from tandem.engine.interfaces.speculator import Speculator, SpeculatorContext
 from tandem.engine.request import Request
-from tandem.models.config import ModelConfig
 
-
-@dataclass(slots=True)
-class SpeculatorContext:
-    """What a speculator may need to build itself."""
-
-    config: EngineConfig  # num_speculative_tokens, draft_model, spec_max_batch, block_size, seed...
-    model_config: ModelConfig  # the target model's
-    max_model_len: int
-    device: torch.device
-    dtype: torch.dtype
-
-
-class Speculator(ABC):
-    """Proposes up to k tokens per decoding request, batched over the running requests."""
-
-    def __init__(self, ctx: SpeculatorContext) -> None:
-        self.ctx = ctx
-        self.k = ctx.config.num_speculative_tokens
-        self.draft_probs: dict[str, torch.Tensor] = {}
-
-    def num_to_propose(self, req: Request) -> int:
-        """k, less where max_tokens is near: a verifying step emits up to proposals + 1 tokens."""
-        return max(0, min(self.k, req.max_tokens - req.num_output_tokens - 1))
-
-    @abstractmethod
-    def propose(self, requests: Sequence[Request]) -> dict[str, list[int]]:
-        """Speculated continuations of each request's `token_ids` (may be shorter than k, or absent)."""
-
-    def on_request_finished(self, request_id: str) -> None:  # noqa: B027 (optional hook)
-        """The request finished or was aborted: free anything held for it."""
+__all__ = ["BUILTIN_SPECULATORS", "SPECULATORS", "DraftModelSpeculator", "NgramSpeculator", "Speculator",
+           "SpeculatorContext", "ngram_lookup"]
 
 
 class NgramSpeculator(Speculator):

@@ -5,11 +5,10 @@
    model, dtype, block size, layers, heads) — a failure is answered with `prefill_failed`.
 2. The request is scheduled like any other (P's own prefix cache, chunked prefill, batched with
    others) with `max_tokens=1`: a prefill-role request is done after its first token.
-3. After each layer stores its K/V (the runner's layer hook), the blocks at or beyond `send_from`
-   whose tokens are now all computed are pushed to D's `dest_block_ids` for that layer — the
-   transfer overlaps the remaining layers' compute.
-4. When the first token is sampled, P answers `prefill_done(first_token)`; its blocks return to
-   its prefix cache (reusable, evictable).
+3. The engine's KV connector (prefill_svc/kv_connector.py) pushes each layer's finished blocks to
+   D's `dest_block_ids` as the forward pass stores them — the transfer overlaps compute.
+4. When the first token is sampled, the connector completes the transfer with it (`done` carries
+   the first token and its logprobs); P's blocks return to its prefix cache (reusable, evictable).
 5. `abort` from D removes the request and stops sending for it.
 """
 
@@ -18,31 +17,19 @@ from __future__ import annotations
 import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import structlog
 import zmq
 
+from prefill_svc.kv_connector import PrefillKVConnector
 from tandem.engine.llm_engine import LLMEngine
-from tandem.observability.trace import Traces
-from tandem.outputs import RequestOutput
 from tandem.observability.logging import prompts_enabled, request_context
+from tandem.observability.trace import Traces
 from tandem.observability.worker_metrics import NO_METRICS
 from tandem.protocol.channel import ControlServer
 from tandem.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)
-class Outbound:
-    """One request's transfer: where its blocks go and how far each layer has been sent."""
-
-    identity: bytes
-    dest: str
-    send_from_block: int
-    dest_block_ids: list[int]
-    sent: list[int]  # per layer: blocks [send_from_block, sent[layer]) already pushed
 
 
 class PrefillWorker:
@@ -52,17 +39,17 @@ class PrefillWorker:
         self.ctx = ctx or zmq.Context.instance()
         self.server = ControlServer(self.ctx, listen)
         self.sender = sender
-        self.outbound: dict[str, Outbound] = {}
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-handshake")
         self._handshakes: dict[str, Future] = {}  # destination -> connect() (idempotent once it succeeded)
         self._awaiting: dict[str, tuple[bytes, dict, Future]] = {}  # request id -> waiting for its handshake
         self.traces = Traces()
         self._trace = self.traces.record
-        self.counters = {"prefills": 0, "failed": 0, "aborted": 0, "errors": 0}
+        self.counters = {"failed": 0, "aborted": 0, "errors": 0}
         self._stopped = False
-        self.registrar = registrar  # router registration (issue 5): tandem.protocol.registration.Registrar
-        self.obs = NO_METRICS  # observability (issue 8): WorkerMetrics (step/queue timings), set by the CLI
-        engine.runner.layer_hook = self._on_layer_stored
+        self.registrar = registrar  # tandem.protocol.registration.Registrar, or None when not registered
+        self.obs = NO_METRICS  # WorkerMetrics (step/queue timings), set by the CLI
+        self.kv = PrefillKVConnector(sender, engine.config.block_size, engine.model_config.num_layers, self._trace)
+        engine.set_kv_connector(self.kv)
 
     @property
     def address(self) -> str:
@@ -81,7 +68,7 @@ class PrefillWorker:
         busy = bool(sched.running or sched.waiting)
         self.server.sock.poll(0 if busy else (2 if self._awaiting else 20))
         for identity, msg in self.server.receive():
-            with request_context(msg.get("id")):  # observability (issue 8): request_id on every line
+            with request_context(msg.get("id")):  # the request id on every log line
                 try:
                     self.handle(identity, msg)
                 except Exception as exc:  # never let one message take the worker down
@@ -91,11 +78,8 @@ class PrefillWorker:
         if sched.running or sched.waiting:
             t0 = time.monotonic()
             outs = self.engine.step()
-            self.obs.step_done(self.engine.current_schedule, t0, outs)  # observability (issue 8)
-            for out in outs:
-                if out.finished:
-                    self._finished(out)
-        if self.registrar is not None:  # router registration (issue 5): heartbeat every interval
+            self.obs.step_done(self.engine.current_schedule, t0, outs)
+        if self.registrar is not None:  # progress for the router; liveness has its own thread
             self.registrar.tick(self.stats_dict)
 
     # ---- control messages --------------------------------------------------------------------
@@ -105,9 +89,8 @@ class PrefillWorker:
             self._prefill(identity, msg)
         elif kind == "abort":
             self._awaiting.pop(msg["id"], None)
-            if self.outbound.pop(msg["id"], None) is not None:
+            if self.kv.cancel(msg["id"]):
                 self.counters["aborted"] += 1
-                self.sender.cancel(msg["id"])
                 self.engine.abort_request(msg["id"])
         elif kind == "stats":
             self.server.reply(identity, "stats_reply", stats=self.stats_dict())
@@ -138,14 +121,12 @@ class PrefillWorker:
                 req, send_from = self._validated(msg)
             except Exception as exc:  # D falls back to computing locally
                 self.counters["failed"] += 1
-                log.warning("prefill refused", request_id=rid, dest=msg["dest"], error=str(exc))  # issue 8
+                log.warning("prefill refused", request_id=rid, dest=msg["dest"], error=str(exc))
                 self.server.reply(identity, "prefill_failed", id=rid, message=str(exc))
                 continue
-            bs = self.engine.config.block_size
-            self.outbound[rid] = Outbound(identity, msg["dest"], send_from // bs, list(msg["dest_block_ids"]),
-                                          [send_from // bs] * self.engine.model_config.num_layers)
+            self.kv.expect_push(rid, msg["dest"], send_from, msg["dest_block_ids"])
             self._trace(rid, "received_ns")
-            if prompts_enabled():  # observability (issue 8): prompt text only with --log-prompts
+            if prompts_enabled():  # prompt text only with --log-prompts
                 log.info("prefill admitted", request_id=rid, prompt_tokens=req.num_prompt_tokens, send_from=send_from,
                          prompt=self.engine.tokenizer.decode(req.prompt_token_ids))
             else:
@@ -165,59 +146,13 @@ class PrefillWorker:
             raise ValueError(f"expected {n_blocks} destination blocks, got {len(msg['dest_block_ids'])}")
         return req, send_from
 
-    def _finished(self, out: RequestOutput) -> None:
-        rid, token_ids = out.request_id, out.token_ids
-        job = self.outbound.pop(rid, None)
-        if job is None:
-            return
-        if out.finish_reason == "abort" or not token_ids:
-            return
-        # Every layer was handed to the sender during the forward pass; "done" follows them on the
-        # same link, so D sees it after the last block. D's ack is not awaited: P moves on.
-        self.sender.finish_async(rid, job.dest)
-        self.counters["prefills"] += 1
-        self._trace(rid, "done_ns")
-        log.info("prefill finished", request_id=rid, dest=job.dest, blocks=len(job.dest_block_ids))  # issue 8
-        extra = {}
-        if out.outputs[0].logprobs:  # the first token's logprobs, as [[token_id, logprob], ...]
-            extra["logprobs"] = [[t, lp] for t, lp in out.outputs[0].logprobs[0].items()]
-        self.server.reply(job.identity, "prefill_done", id=rid, first_token=token_ids[0], **extra)
-
-    # ---- layer-wise push -------------------------------------------------------------------------
-    def _on_layer_stored(self, layer: int) -> None:
-        """Runs inside the forward pass, right after `layer` wrote this step's K/V."""
-        schedule = self.engine.current_schedule
-        if schedule is None:
-            return
-        runner = self.engine.runner
-        bs = self.engine.config.block_size
-        last_layer = layer == len(runner.kv_caches) - 1
-        for s in schedule.scheduled:
-            req = s.request
-            job = self.outbound.get(req.request_id)
-            if job is None:
-                continue
-            done_tokens = req.num_computed_tokens + s.num_new_tokens
-            ready = -(-req.num_tokens // bs) if done_tokens >= req.num_tokens else done_tokens // bs
-            first = job.sent[layer]
-            if ready <= first:
-                continue
-            src = req.block_ids[first:ready]
-            dest = job.dest_block_ids[first - job.send_from_block: ready - job.send_from_block]
-            scales = runner.kv_scales[layer] if runner.kv_scales is not None else None
-            self.sender.send_layer(job.dest, req.request_id, layer, runner.kv_caches[layer], scales, src, dest)
-            job.sent[layer] = ready
-            if layer == 0:
-                self._trace(req.request_id, "first_layer_sent_ns")
-            if last_layer and done_tokens >= req.num_tokens:
-                self._trace(req.request_id, "last_layer_computed_ns")
-
     def stats_dict(self) -> dict:
         sched, kv = self.engine.scheduler, self.engine.kv.stats()
         out = {"role": "prefill", "running": len(sched.running), "waiting": len(sched.waiting),
                "kv_blocks_total": kv.num_blocks, "kv_blocks_used": kv.used_blocks, "kv_usage": kv.usage,
                "prefix_queried_tokens": kv.prefix_queried_tokens, "prefix_hit_tokens": kv.prefix_hit_tokens,
-               "preemptions": sched.num_preemptions, "bad_messages": self.server.bad_frames, **self.counters}
+               "preemptions": sched.num_preemptions, "bad_messages": self.server.bad_frames,
+               "prefills": self.kv.completed, **self.counters}
         st = self.sender.stats
         out.update(kv_bytes_sent=st.bytes_sent, kv_transfers=st.transfers, kv_transfer_failures=st.failures)
         return out

@@ -26,14 +26,14 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import structlog
 
 from router_svc import metrics
 from router_svc.errors import BadRequest, NoWorkers, Overloaded, RouterError, WorkerLost
 from router_svc.registry import Registry, Worker
-from plugins.routing import RouteRequest, RoutingPolicy, prefix_key
+from tandem.engine.interfaces.routing import RouteRequest, RoutingPolicy, prefix_key
 from tandem.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -109,9 +109,9 @@ class Router:
             if not decoders:
                 raise NoWorkers("no decode worker is available" + (" (the one serving this request was lost)"
                                                                    if flight.attempts else ""))
-            d = self.decode_policy.choose(decoders, flight.route)
+            d = cast(Worker, self.decode_policy.choose(decoders, flight.route))  # it picks one of ours
             prefills = self.registry.routable("prefill")
-            p = self.prefill_policy.choose(prefills, flight.route) if prefills else None
+            p = cast(Worker, self.prefill_policy.choose(prefills, flight.route)) if prefills else None
             try:
                 self.send(d.address, "add_request", id=flight.rid, token_ids=flight.token_ids,
                           sampling=flight.sampling, prefill_peer=p.address if p is not None else None)

@@ -24,9 +24,9 @@ from router_svc.core import Chunk, Router
 from router_svc.errors import BadRequest, Overloaded, RouterError
 from router_svc.openai_api import SAMPLING_NAMES
 from router_svc.prompts import ServedModel
+from tandem.observability.logging import bind_request
 from tandem.protocol import generation_pb2 as pb
 from tandem.protocol import generation_pb2_grpc as pb_grpc
-from tandem.observability.logging import bind_request
 from tandem.sampling_params import SamplingParams
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -82,7 +82,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
-        stream, ended_by = None, None
+        stream = None
+        ended_by: BaseException | None = None
         rid = request.request_id or f"req-{uuid.uuid4().hex}"  # observability (issue 8): bound for all lines
         bind_request(rid)  # grpc.aio runs each RPC in its own task: the binding ends with it
         try:

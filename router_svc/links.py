@@ -12,7 +12,7 @@ Frames are validated by `messages.decode`; a bad one is logged and dropped, neve
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import structlog
 import zmq
@@ -31,7 +31,7 @@ CLOSE_LINGER_MS = 200
 
 def _send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
     """Non-blocking send; raises ConnectionError if the socket will not take it now."""
-    fut = sock.send_multipart(frames, zmq.NOBLOCK)
+    fut = cast("asyncio.Future[Any]", sock.send_multipart(frames, zmq.NOBLOCK))
     # With NOBLOCK, zmq.asyncio completes the future immediately (success or zmq.Again).
     if fut.done() and fut.exception() is not None:
         raise ConnectionError(f"socket not accepting messages: {fut.exception()}")
@@ -60,7 +60,7 @@ class WorkerLinks:
     def _get(self, address: str) -> zmq.asyncio.Socket:
         sock = self.socks.get(address)
         if sock is None:
-            sock = self.socks[address] = dealer_socket(self.ctx, address)
+            sock = self.socks[address] = cast(zmq.asyncio.Socket, dealer_socket(self.ctx, address))
             self.readers[address] = asyncio.get_running_loop().create_task(self._read(address, sock))
         return sock
 

@@ -131,6 +131,7 @@ def request_ended(api: str, ended_by: BaseException | None, stream: Any, request
     REQUESTS.labels(api, outcome, reason).inc()
     fields: dict[str, Any] = {"api": api, "outcome": outcome, "reason": reason}
     if flight is not None:
+        st = flight.stats
         fields.update(completion_tokens=flight.tokens_out, prompt_tokens=len(flight.token_ids),
                       cached_tokens=st.cached_tokens, duration_s=round(time.monotonic() - flight.started, 4),
                       decode=flight.decode.worker_id if flight.decode else None)

@@ -20,8 +20,15 @@ from router_svc import metrics
 from router_svc.core import Router
 from router_svc.errors import BadRequest, Overloaded, RouterError
 from router_svc.http_server import Request, Response
-from router_svc.openai_api import (Totals, final_response, format_logprobs, parse_chat, parse_completion,
-                                   stream_chunk, usage_chunk)
+from router_svc.openai_api import (
+    Totals,
+    final_response,
+    format_logprobs,
+    parse_chat,
+    parse_completion,
+    stream_chunk,
+    usage_chunk,
+)
 from router_svc.prompts import ServedModel
 from router_svc.registry import Registry
 from tandem.observability.logging import bind_request
@@ -71,7 +78,8 @@ class OpenAIApp:
 
     async def generate(self, request: Request, response: Response, chat: bool) -> None:
         api = "chat" if chat else "completions"
-        stream, ended_by = None, None
+        stream = None
+        ended_by: BaseException | None = None
         # observability (issue 8): the id is fixed before parsing so every line of this request carries it
         rid = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
         bind_request(rid)  # this handler runs in its own task: the binding ends with it

@@ -91,7 +91,7 @@ class Registry:
         if kind == "register":
             return self._register(msg)
         if kind == "heartbeat":
-            worker = self.workers.get(wid)
+            worker = self.workers.get(wid) if isinstance(wid, str) else None
             if worker is None or worker.static:
                 return f"unknown worker_id {wid!r}: send register first", None
             worker.stats, worker.last_seen = msg["stats"], time.monotonic()

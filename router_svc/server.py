@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import structlog
 import zmq.asyncio
@@ -29,7 +29,7 @@ from router_svc.links import ListenSocket, WorkerLinks
 from router_svc.openai_server import OpenAIApp
 from router_svc.prompts import ServedModel
 from router_svc.registry import Registry
-from plugins.routing import resolve_policy
+from tandem.engine.strategies import resolve_routing_policy as resolve_policy
 
 log = structlog.get_logger(__name__)
 ROUTER_STALL_S = 0.5  # housekeeping this late: skip one expiry round (see _housekeeping)
@@ -75,7 +75,7 @@ class RouterService:
         self.router: Router | None = None
         self.endpoints: dict[str, str] = {}
         self._tasks: list[asyncio.Task] = []
-        self._metrics_server = None  # observability (issue 8): MetricsServer on --metrics-port
+        self._metrics_server: Any = None  # MetricsServer on --metrics-port
         self._collector: metrics.WorkerCollector | None = None
 
     async def start(self) -> dict[str, str]:

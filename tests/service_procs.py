@@ -18,6 +18,8 @@ import grpc
 import msgpack
 import zmq
 
+from tandem.protocol.codec import PROTOCOL_VERSION
+
 ROOT = Path(__file__).resolve().parents[1]
 # PYTHONPATH: the services run from the source tree even where the editable install predates them.
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -105,7 +107,7 @@ def worker_stats(address: str) -> dict:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     try:
-        sock.send(msgpack.packb({"type": "stats", "v": 1}))
+        sock.send(msgpack.packb({"type": "stats", "v": PROTOCOL_VERSION}))
         assert sock.poll(5000), f"no stats_reply from {address}"
         return msgpack.unpackb(sock.recv())["stats"]
     finally:

@@ -6,9 +6,11 @@ import subprocess
 import sys
 
 import pytest
+from tiny_models import make_checkpoint
 
 from tandem import LLM, SamplingParams
-from tiny_models import make_checkpoint
+
+pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
 
 
 @pytest.fixture(scope="module")

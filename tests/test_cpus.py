@@ -8,8 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
 from service_procs import ENV, ROOT, Proc
+
 from tandem.cli import cpus
 
 
@@ -49,6 +49,8 @@ def test_cpuset_and_share_specs():
             cpus.resolve(spec, allowed=[0, 1])
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,message", [
     (["up", "--cpus-per-worker", "9999"], "--cpus-per-worker 9999 x 2 workers needs 19998 cores"),
     (["up", "--cpus-per-worker", "0"], "--cpus-per-worker must be >= 1"),

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
+
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "tandem" / "assets"
 MAX_FILE_BYTES = 25 * 1024 * 1024

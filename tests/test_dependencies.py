@@ -11,11 +11,11 @@ from __future__ import annotations
 import ast
 import re
 import sys
-import tomllib
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from kvtransfer import CacheLayout
 from kvtransfer.testing import Proc
@@ -86,6 +86,7 @@ def test_no_tensor_numpy_in_shipped_code() -> None:
     assert offenders == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("connector", ["zmq", "shm"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_kv_transfer_without_numpy(connector: str, dtype: str) -> None:

@@ -9,11 +9,13 @@ import time
 import msgpack
 import pytest
 import zmq
-
 from service_procs import Proc, stop_all, worker_stats
+from tiny_models import make_checkpoint
+
 from tandem import LLM, SamplingParams
 from tandem.protocol import messages
-from tiny_models import make_checkpoint
+
+pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
 
 CONNECTORS = ["zmq", "shm", "torch_dist"]
 ENGINE = ["--num-kv-blocks", "512", "--max-model-len", "1024"]
@@ -211,21 +213,24 @@ def test_cancel_frees_blocks_on_both_sides(tmp_path):
         stop_all([decode, prefill])
 
 
+V = messages.PROTOCOL_VERSION
+
+
 def _garbage(rng):
     kinds = [
         lambda: rng.randbytes(rng.randint(0, 64)),
         lambda: msgpack.packb(rng.choice([1, "x", [1, 2], None, 3.5])),
-        lambda: msgpack.packb({"type": "add_request", "v": 1}),
-        lambda: msgpack.packb({"type": "add_request", "v": 2, "id": "a", "token_ids": [1], "sampling": {},
+        lambda: msgpack.packb({"type": "add_request", "v": V}),
+        lambda: msgpack.packb({"type": "add_request", "v": V + 1, "id": "a", "token_ids": [1], "sampling": {},
                                "prefill_peer": None}),
-        lambda: msgpack.packb({"type": "add_request", "v": 1, "id": 5, "token_ids": "abc", "sampling": [],
+        lambda: msgpack.packb({"type": "add_request", "v": V, "id": 5, "token_ids": "abc", "sampling": [],
                                "prefill_peer": 3}),
-        lambda: msgpack.packb({"type": "nope", "v": 1}),
-        lambda: msgpack.packb({"type": "add_request", "v": 1, "id": f"g{rng.random()}", "token_ids": [-5, 10**9],
+        lambda: msgpack.packb({"type": "nope", "v": V}),
+        lambda: msgpack.packb({"type": "add_request", "v": V, "id": f"g{rng.random()}", "token_ids": [-5, 10**9],
                                "sampling": {"max_tokens": -1}, "prefill_peer": None}),
-        lambda: msgpack.packb({"type": "prefill", "v": 1, "id": "p", "token_ids": [1, 2], "sampling": {},
+        lambda: msgpack.packb({"type": "prefill", "v": V, "id": "p", "token_ids": [1, 2], "sampling": {},
                                "send_from": 3, "dest": "tcp://127.0.0.1:1", "dest_block_ids": [1, 2, 3]}),
-        lambda: msgpack.packb({"type": "abort", "v": 1, "id": "never-existed"}),
+        lambda: msgpack.packb({"type": "abort", "v": V, "id": "never-existed"}),
     ]
     return rng.choice(kinds)()
 
@@ -287,7 +292,7 @@ def test_worker_streams_logprobs(disaggregated, ckpt, offline, tmp_path):
                 client.finished["lp"] = msg
         ref = offline.generate([prompt], SamplingParams(**sampling))[0]
         assert client.tokens["lp"] == ref.token_ids and len(entries) == len(ref.token_ids)
-        for entry, expected in zip(entries, ref.outputs[0].logprobs):
-            assert {t: pytest.approx(lp, abs=1e-4) for t, lp in entry} == expected
+        for i, (entry, expected) in enumerate(zip(entries, ref.outputs[0].logprobs)):
+            assert {t: pytest.approx(lp, abs=1e-4) for t, lp in entry} == expected, f"token {i}"
     finally:
         stop_all(procs)

@@ -5,9 +5,11 @@ enough to force preemption (recompute)."""
 import random
 
 import pytest
+from tiny_models import hf_greedy, make_checkpoint
 
 from tandem import LLM, SamplingParams
-from tiny_models import hf_greedy, make_checkpoint
+
+pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
 
 ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
 LENGTHS = [1, 3, 17, 32, 64, 130, 257, 300]

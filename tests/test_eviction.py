@@ -7,13 +7,15 @@ and then on the time it was last used."""
 import random
 
 import pytest
+from tiny_models import make_checkpoint
 
 from plugins.registry import resolve_eviction
 from tandem import LLM, SamplingParams
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.request import Request
-from tiny_models import make_checkpoint
+
+pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
 
 POLICIES = ("lru", "lfu", "prefix_aware")
 

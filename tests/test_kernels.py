@@ -24,6 +24,8 @@ import torch
 from kernels import reference as ref
 from kernels.reference import QUANT_MAX
 
+pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
+
 REPO = Path(__file__).resolve().parents[1]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 QUANT_TOL = {torch.int8: 3e-2, torch.float8_e4m3fn: 1.5e-1}

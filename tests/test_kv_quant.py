@@ -17,13 +17,15 @@ from collections import defaultdict
 
 import pytest
 import torch
+from tiny_models import hf_greedy, make_checkpoint
 
 from plugins.quantizers import KVLayout
 from plugins.registry import resolve_quantizer
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
-from tiny_models import hf_greedy, make_checkpoint
+
+pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
 
 N_NEW = 16
 

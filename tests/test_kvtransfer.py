@@ -18,9 +18,10 @@ import msgpack
 import pytest
 import zmq
 
-from kvtransfer import CacheLayout
-from kvtransfer import wire
+from kvtransfer import CacheLayout, wire
 from kvtransfer.testing import Proc, digest, make_cache
+
+pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
 
 ROOT = str(Path(__file__).resolve().parents[1])
 FP32 = CacheLayout("tiny", "float32", "float32", block_size=4, num_layers=4, num_kv_heads=2, head_dim=8)
@@ -28,6 +29,7 @@ INT8 = replace(FP32, kv_cache_dtype="int8")
 LAYOUTS = {"fp32": FP32, "int8": INT8}
 P_BLOCKS, D_BLOCKS, SEED = 32, 64, 1234
 CONNECTOR_NAMES = ["zmq", "shm", "torch_dist"]
+V = wire.PROTOCOL_VERSION
 
 
 class Rig:
@@ -132,7 +134,7 @@ def test_handshake_with_another_connector_is_refused(rig: Rig) -> None:
 
 def _garbage(rng: random.Random, layout: CacheLayout) -> list[bytes]:
     n = rng.randrange(1, 4)
-    good = {"type": "kv", "version": 1, "request_id": "nope", "layer": 0, "dest_block_ids": [1],
+    good = {"type": "kv", "v": V, "request_id": "nope", "layer": 0, "dest_block_ids": [1],
             "dtype": layout.kv_cache_dtype, "shape": [1, *layout.block_shape], "scale_shape": None,
             "checksum": None, "tag": 0}
     bad_values = [-1, 10**6, "x", None, True, [], [-1], ["a"], [2**63 - 1], [1, 1], 1.5, {"a": 1}, "float64"]
@@ -142,9 +144,9 @@ def _garbage(rng: random.Random, layout: CacheLayout) -> list[bytes]:
     if kind == 1:
         return [msgpack.packb(rng.choice([1, "hello", [1, 2], None, b"\x00", {"type": "kv"}, {1: 2}]))]
     if kind == 2:
-        return [msgpack.packb({**good, "version": rng.choice([0, 2, "1", None])})]
+        return [msgpack.packb({**good, "v": rng.choice([0, V + 1, str(V), None])})]
     if kind == 3:
-        return [msgpack.packb({**good, "type": rng.choice(["xx", "hello_ok", "done_ack", "error", 7])})]
+        return [msgpack.packb({**good, "type": rng.choice(["xx", "hello_ok", "done_ack", "kv_error", 7])})]
     if kind == 4:  # one field broken, or missing, or an extra one
         msg = dict(good)
         field = rng.choice(list(msg)[2:])
@@ -156,11 +158,11 @@ def _garbage(rng: random.Random, layout: CacheLayout) -> list[bytes]:
     if kind == 5:  # well formed but for an unknown request / with payloads of the wrong size
         return [msgpack.packb({**good, "request_id": f"unknown-{rng.random()}"}), rng.randbytes(layout.block_nbytes)]
     if kind == 6:
-        return [msgpack.packb({"type": rng.choice(["done", "cancel", "cancel_ack"]), "version": 1,
+        return [msgpack.packb({"type": rng.choice(["done", "cancel", "cancel_ack"]), "v": V,
                                "request_id": rng.choice(["x", 5, None]), "messages": 1, "bytes": rng.choice([1, -1])})]
     if kind == 7:  # bad handshakes
         bad_layout = {**layout.to_dict(), rng.choice(["block_size", "head_dim"]): rng.choice([0, -4, "16", None])}
-        return [msgpack.packb({"type": "hello", "version": 1, "connector": "zmq", "sender_id": "fuzz",
+        return [msgpack.packb({"type": "hello", "v": V, "connector": "zmq", "sender_id": "fuzz",
                                "layout": rng.choice([bad_layout, {}, [1], "x"]), "data_id": None})]
     return [b""]
 
@@ -182,12 +184,12 @@ def test_garbage_does_not_hurt_the_receiver(rig: Rig) -> None:
         for s in sockets:  # answers: errors, and refusals of done for requests nobody expects
             while s.poll(500):
                 reply = wire.decode(s.recv())
-                assert reply["type"] == "error" or reply["type"] == "done_ack" and not reply["ok"]
-        sockets[0].send(msgpack.packb({"type": "hello", "version": 1, "connector": rig.connector,
+                assert reply["type"] == "kv_error" or reply["type"] == "done_ack" and not reply["ok"]
+        sockets[0].send(msgpack.packb({"type": "hello", "v": V, "connector": rig.connector,
                                        "sender_id": "fuzz", "layout": {"block_size": "big"}, "data_id": None}))
         assert sockets[0].poll(10_000)
         reply = wire.decode(sockets[0].recv())
-        assert reply["type"] == "error" and "bad layout in handshake" in reply["reason"]
+        assert reply["type"] == "kv_error" and "bad layout in handshake" in reply["reason"]
         if rig.addr["fp32"].startswith("tcp://"):  # not even ZMTP
             host, port = rig.addr["fp32"][6:].rsplit(":", 1)
             for _ in range(20):
@@ -252,8 +254,8 @@ def test_layout_and_header_validation() -> None:
     header = wire.kv_header(INT8, "r", 3, [5, 6])
     parsed = wire.parse_kv(wire.decode(header), INT8)
     assert (parsed.layer, parsed.dest_block_ids, parsed.scale_nbytes) == (3, [5, 6], 2 * INT8.scale_block_nbytes)
-    for bad, why in [(b"\xc1", "not a msgpack header"), (msgpack.packb([1]), "must be a map"),
-                     (msgpack.packb({"type": "kv", "version": 2}), "unsupported protocol version 2")]:
+    for bad, why in [(b"\xc1", "not a msgpack message"), (msgpack.packb([1]), "must be a msgpack map"),
+                     (msgpack.packb({"type": "kv", "v": 99}), "unsupported protocol version 99")]:
         with pytest.raises(wire.ProtocolError, match=why):
             wire.decode(bad)
     with pytest.raises(wire.ProtocolError, match="dtype 'int8' but the cache is 'float32'"):

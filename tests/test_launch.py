@@ -17,7 +17,6 @@ import textwrap
 
 import pytest
 import yaml
-
 from service_procs import ENV, ROOT, Proc, post
 from test_up import pids_with, wait_gone
 from tiny_models import make_checkpoint
@@ -96,6 +95,8 @@ BAD = [  # (YAML, what the one-line error must say)
 ]
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 @pytest.mark.parametrize("text,message", BAD, ids=[m.split(":")[0] for _, m in BAD])
 def test_bad_cluster_is_a_clear_error(tmp_path, capsys, text, message):
     from tandem.cli import main

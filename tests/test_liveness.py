@@ -21,9 +21,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from service_procs import ROOT, Proc, get_json, router_endpoints, start_router, stop_all, wait_workers
+
 from tandem.default_model import ASSETS_DIR, TARGET_NAME
+
+pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
 
 TARGET_DIR = ASSETS_DIR / TARGET_NAME
 

@@ -4,9 +4,11 @@ import os
 
 import pytest
 import torch
+from tiny_models import hf_greedy, make_checkpoint
 
 from tandem import LLM, SamplingParams
-from tiny_models import hf_greedy, make_checkpoint
+
+pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
 
 
 def test_sharded_checkpoint_matches_transformers(tmp_path):

@@ -22,9 +22,10 @@ from pathlib import Path
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from service_procs import ROOT, Proc, get_json, grpc_stub, router_endpoints, start_router, stop_all, wait_workers
 from tiny_models import make_checkpoint
+
+pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
 
 SECRET = "zebra quartz marmalade"  # prompt text that must not reach logs without --log-prompts
 LONG_PREFIX = "def shared_prefix_function(alpha, beta, gamma):\n    return alpha * beta + gamma - 42\n" * 2
@@ -264,11 +265,11 @@ def test_prompt_text_is_logged_only_with_log_prompts(cluster):
 
 
 def test_configure_logging_formats_and_context():
+    import logging
+
     import structlog
 
     from tandem.observability.logging import configure_logging, request_context
-
-    import logging
 
     root = logging.getLogger()
     saved = list(root.handlers), root.level

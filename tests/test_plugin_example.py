@@ -15,8 +15,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from tiny_models import hf_greedy, make_checkpoint
+
+pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tandem-plugin-example"
 DIST = "tandem-plugin-example"
@@ -129,7 +130,7 @@ BAD_PLUGINS = {
              "@hookimpl\ndef tandem_evicton_policies():\n    return {}\n", "unknown hook 'tandem_evicton_policies'"),
     "notclass": ("from plugins.hookspecs import hookimpl\n"
                  "@hookimpl\ndef tandem_eviction_policies():\n    return {'x': 3}\n",
-                 "eviction 'x' must be a subclass of plugins.eviction.EvictionPolicy"),
+                 "eviction 'x' must be a subclass of tandem.engine.interfaces.eviction.EvictionPolicy"),
     "boom": ("raise ImportError('needs libfoo')\n", "failed to load: ImportError: needs libfoo"),
 }
 
@@ -141,9 +142,12 @@ def test_broken_plugin_is_an_actionable_error(name, tmp_path, monkeypatch):
 
     source, message = BAD_PLUGINS[name]
     (tmp_path / f"bad_{name}.py").write_text(source)
+    # A real (if minimal) installed distribution on sys.path, so pluggy's own entry-point loader finds it.
+    info = tmp_path / f"bad_{name}-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: bad-{name}\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(f"[tandem]\n{name} = bad_{name}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    fake = [md.EntryPoint(name, f"bad_{name}", "tandem")]
-    monkeypatch.setattr(manager.md, "entry_points", lambda group: fake if group == "tandem" else [])
     monkeypatch.delenv("TANDEM_DISABLE_PLUGINS", raising=False)
     manager.reset()
     try:

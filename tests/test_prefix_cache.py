@@ -4,9 +4,11 @@ freed blocks keep their content until reused (a later request revives them)."""
 import random
 
 import pytest
+from tiny_models import make_checkpoint
 
 from tandem import LLM, SamplingParams
-from tiny_models import make_checkpoint
+
+pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 

@@ -21,10 +21,20 @@ import urllib.request
 import grpc
 import openai
 import pytest
-
-from service_procs import (Proc, get_json, grpc_stub, post, router_endpoints, start_router, stop_all, wait_workers,
-                           worker_stats)
+from service_procs import (
+    Proc,
+    get_json,
+    grpc_stub,
+    post,
+    router_endpoints,
+    start_router,
+    stop_all,
+    wait_workers,
+    worker_stats,
+)
 from tiny_models import make_checkpoint
+
+pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
 
 MAX_TOKENS = 12
 

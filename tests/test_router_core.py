@@ -71,10 +71,10 @@ def test_registry_heartbeats_expiry_and_static_workers():
 
 
 def test_core_retries_unstarted_fails_started_and_admits_boundedly():
+    from plugins.routing import RoundRobin
     from router_svc.core import Router
     from router_svc.errors import Overloaded, WorkerLost
     from router_svc.registry import Registry
-    from plugins.routing import RoundRobin
     from tandem.sampling_params import SamplingParams
 
     def out(rid, tokens, finished=False):

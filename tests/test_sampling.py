@@ -4,10 +4,12 @@ import math
 
 import pytest
 import torch
+from tiny_models import make_checkpoint
 
 from tandem import LLM, SamplingParams
 from tandem.engine.sampler import filter_logits
-from tiny_models import make_checkpoint
+
+pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,12 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_models import hf_greedy, make_checkpoint, write_tokenizer
 
 from plugins.speculators import BUILTIN_SPECULATORS
 from tandem import LLM, SamplingParams
-from tiny_models import hf_greedy, make_checkpoint, write_tokenizer
+
+pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 NEW_TOKENS = 24

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import openai
 import pytest
-
 from service_procs import ROOT, Proc, grpc_stub, worker_stats
 from tiny_models import make_checkpoint
+
+pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
 
 MAX_TOKENS = 12
 ENGINE = ["--num-kv-blocks", "256", "--max-model-len", "512"]

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.cli.worker_common import (add_worker_args, announce, build_engine, make_registrar, serve, start_logging,
-                                      worker_id)
+from tandem.cli.worker_common import (
+    add_worker_args,
+    announce,
+    build_engine,
+    make_registrar,
+    serve,
+    start_logging,
+    worker_id,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,22 +32,26 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from decode_svc.worker import DecodeWorker
-    from tandem.engine.kv_layout import attach_receiver
+    from tandem.engine.strategies import resolve_connector
     from tandem.observability.cli import setup_worker_observability
 
-    start_logging(args, "decode")  # observability (issue 8)
+    start_logging(args, "decode")
     if args.local_prefill_threshold < 0:
         raise ValueError("--local-prefill-threshold must be >= 0")
     if args.prefill_timeout <= 0:
         raise ValueError("--prefill-timeout must be > 0")
-    engine = build_engine(args, role="decode")
+    transport = None if args.kv_connector == "none" else resolve_connector(args.kv_connector)(
+        timeout_s=args.prefill_timeout)
+    # The engine allocates its KV cache once, where the transport wants it (shm: shared memory);
+    # the receiver then writes arriving blocks straight into it.
+    engine = build_engine(args, role="decode", kv_allocator=transport.allocate_kv_caches if transport else None)
     receiver = None
-    if args.kv_connector != "none":
+    if transport is not None:
         bind = args.kv_listen or _same_host(args.listen)
-        receiver = attach_receiver(engine, args.kv_connector, bind, timeout_s=args.prefill_timeout)
+        receiver = transport.make_receiver(engine.kv_layout, engine.runner.kv_caches, engine.runner.kv_scales, bind)
     worker = DecodeWorker(engine, args.listen, receiver, args.local_prefill_threshold, args.prefill_timeout)
     worker.registrar = make_registrar(args, "decode", worker.address, engine.config.model)
-    # observability (issue 8): without a KV connector this worker is colocated: metrics role "both"
+    # without a KV connector this worker is colocated: metrics role "both"
     metrics = setup_worker_observability(args, worker, "decode" if receiver else "both", worker_id(args, "decode"))
     announce("decode", control=worker.address, kv=receiver.address if receiver else None, metrics=metrics)
     return serve(worker)

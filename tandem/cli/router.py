@@ -49,8 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from plugins.routing import resolve_policy
     from router_svc.server import RouterConfig, serve
+    from tandem.engine.strategies import resolve_routing_policy as resolve_policy
     from tandem.observability.logging import bind_service
 
     setup_logging(args)  # observability (issue 8)

@@ -34,8 +34,14 @@ import time
 
 from tandem.cli import cpus
 from tandem.cli.engine_args import add_engine_args, add_model_arg
-from tandem.cli.supervise import (Supervisor, accepts_flag, engine_flags, resolve_model_path, run_supervised,
-                                  wait_healthy)
+from tandem.cli.supervise import (
+    Supervisor,
+    accepts_flag,
+    engine_flags,
+    resolve_model_path,
+    run_supervised,
+    wait_healthy,
+)
 
 TETHER_GRACE_S = 15.0  # a tethered child that has not exited this long after its parent vanished is killed
 

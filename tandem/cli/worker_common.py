@@ -40,13 +40,14 @@ def start_logging(args: argparse.Namespace, role: str) -> None:
     bind_service(service=role, worker_id=worker_id(args, role))
 
 
-def build_engine(args: argparse.Namespace, role: str):
+def build_engine(args: argparse.Namespace, role: str, kv_allocator=None):
+    """The worker's engine; `kv_allocator(layout, num_blocks)` places its KV memory (a transport's)."""
     from tandem.cli import cpus
     from tandem.engine.llm_engine import LLMEngine
 
     cpus.apply(args.cpus)  # before the engine's first torch op sizes its thread pool
 
-    return LLMEngine(engine_config_from_args(args, resolve_model(args.model), role=role))
+    return LLMEngine(engine_config_from_args(args, resolve_model(args.model), role=role), kv_allocator)
 
 
 def make_registrar(args: argparse.Namespace, role: str, control_address: str, model: str):

@@ -8,19 +8,12 @@ the whole prefix before it matched.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import deque
-from typing import Iterable
 
-from plugins.eviction import EvictionPolicy
+from tandem.engine.interfaces.eviction import EvictionPolicy
+from tandem.protocol.prefix_hash import hash_block_tokens  # a cross-process contract: the router hashes too
 
-
-def hash_block_tokens(parent_hash: bytes | None, tokens: Iterable[int]) -> bytes:
-    """Stable across processes (the router and every worker compute the same value)."""
-    h = hashlib.blake2b(parent_hash or b"tandem", digest_size=16)
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
+__all__ = ["BlockPool", "hash_block_tokens"]
 
 
 class BlockPool:

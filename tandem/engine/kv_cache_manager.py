@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plugins.eviction import EvictionPolicy
 from tandem.engine.block_pool import BlockPool, hash_block_tokens
+from tandem.engine.interfaces.eviction import EvictionPolicy
 from tandem.engine.request import Request
 
 

@@ -1,7 +1,7 @@
-"""The engine's KV cache described as a `kvtransfer.CacheLayout`, and connector wiring for workers.
+"""The engine's KV cache described as a `kvtransfer.CacheLayout`: what both halves of a transfer must
+agree on byte for byte (the handshake refuses a mismatch), and what a transport's allocator sizes.
 
-Both halves of a transfer describe their cache this way; the handshake refuses a mismatch. The
-model is identified by architecture + a digest of config.json, so two hosts holding the same
+The model is identified by architecture + a digest of config.json, so two hosts holding the same
 checkpoint at different paths still agree.
 """
 
@@ -9,10 +9,19 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import TYPE_CHECKING, Callable
 
-from kvtransfer import CacheLayout, KVReceiver, KVSender
-from plugins.registry import resolve_connector
-from tandem.engine.llm_engine import LLMEngine
+from kvtransfer.base import CacheLayout
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.config import EngineConfig
+    from tandem.engine.interfaces.kv_quantizer import KVQuantizer
+    from tandem.models.config import ModelConfig
+
+# (layout, num_blocks, device) -> (kv_caches, kv_scales or None): where a transport wants the KV memory
+KVAllocator = Callable[[CacheLayout, int, "torch.device"], "tuple[list[torch.Tensor], list[torch.Tensor] | None]"]
 
 
 def model_identity(path: str) -> str:
@@ -21,29 +30,16 @@ def model_identity(path: str) -> str:
     return f"{os.path.basename(os.path.normpath(path))}@{digest}"
 
 
-def cache_layout(engine: LLMEngine) -> CacheLayout:
-    cfg = engine.model_config
-    cache = engine.runner.kv_caches[0]
+def cache_layout(config: EngineConfig, model: ModelConfig, quantizer: KVQuantizer) -> CacheLayout:
+    def name(dtype: torch.dtype) -> str:
+        return str(dtype).removeprefix("torch.")
+
     return CacheLayout(
-        model=model_identity(engine.config.model),
-        dtype=str(engine.config.torch_dtype).removeprefix("torch."),
-        kv_cache_dtype=str(cache.dtype).removeprefix("torch."),
-        block_size=engine.config.block_size,
-        num_layers=cfg.num_layers,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
+        model=model_identity(config.model),
+        dtype=name(config.torch_dtype),
+        kv_cache_dtype=name(quantizer.cache_dtype(config.torch_dtype)),
+        block_size=config.block_size,
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
     )
-
-
-def attach_receiver(engine: LLMEngine, connector: str, bind: str, timeout_s: float = 30.0) -> KVReceiver:
-    """Decode side: place the cache where the connector wants it (shm: shared memory) and listen."""
-    conn = resolve_connector(connector)(timeout_s=timeout_s)
-    layout = cache_layout(engine)
-    caches, scales = conn.allocate_kv_caches(layout, engine.num_kv_blocks, engine.config.torch_device)
-    engine.runner.kv_caches, engine.runner.kv_scales = caches, scales
-    return conn.make_receiver(layout, caches, scales, bind=bind)
-
-
-def make_sender(engine: LLMEngine, connector: str) -> KVSender:
-    conn = resolve_connector(connector)()
-    return conn.make_sender(cache_layout(engine), engine.config.torch_device)

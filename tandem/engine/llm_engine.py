@@ -3,9 +3,15 @@ RequestOutputs with incremental text, stop strings, aborts.
 
 1. `add_request` validates (prompt length, parameters) and queues; bad input raises ValueError and
    leaves the engine untouched.
-2. `step` asks the speculator (if any) for proposals for the decoding requests, schedules one
-   batch, runs it (verifying proposals), advances every request by the computed-tokens rule, and
-   detokenizes what was sampled; a stop string ends its request in the same step.
+2. `step` applies what its KV connector reports (remote prompts whose KV and first token arrived,
+   failed transfers to recompute, held blocks to free), asks the speculator (if any) for proposals
+   for the decoding requests, schedules one batch, runs it (verifying proposals), advances every
+   request by the computed-tokens rule, and detokenizes what was sampled; a stop string ends its
+   request in the same step.
+
+The engine allocates its KV memory once, where `kv_allocator` puts it (a transport's, e.g. shared
+memory for the shm connector); `set_kv_connector` plugs in the disaggregation seam
+(tandem/engine/kv_connector.py).
 """
 
 from __future__ import annotations
@@ -16,25 +22,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from plugins.registry import resolve_eviction, resolve_quantizer
 from tandem.config import EngineConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.kv_connector import KVConnector
+from tandem.engine.kv_layout import KVAllocator, cache_layout
 from tandem.engine.model_runner import ModelRunner, StepResult
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.strategies import resolve_eviction, resolve_quantizer
 from tandem.models.config import ModelConfig
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
-    from plugins.speculators import Speculator
+    from tandem.engine.interfaces.speculator import Speculator
 
 _MAX_MODEL_LEN_DEFAULT_CAP = 8192
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, kv_allocator: KVAllocator | None = None) -> None:
         self.config = config
         model_cfg = ModelConfig.from_dir(config.model)
         self.model_config = model_cfg
@@ -49,8 +57,13 @@ class LLMEngine:
             raise ValueError(f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one "
                              f"max_model_len={self.max_model_len} sequence; raise kv_cache_memory_gb / "
                              f"num_kv_blocks or lower max_model_len")
-        self.runner.allocate_kv_cache(num_blocks)
         self.num_kv_blocks = num_blocks
+        self.kv_layout = cache_layout(config, model_cfg, self.runner.kv_quantizer)
+        if kv_allocator is None:
+            self.runner.allocate_kv_cache(num_blocks)
+        else:
+            self.runner.kv_caches, self.runner.kv_scales = kv_allocator(self.kv_layout, num_blocks,
+                                                                         config.torch_device)
         self.kv = KVCacheManager(num_blocks, config.block_size, resolve_eviction(config.eviction, num_blocks),
                                  config.enable_prefix_caching)
         batched = config.max_num_batched_tokens
@@ -66,6 +79,7 @@ class LLMEngine:
         self._text: dict[str, str] = {}
         self._ids = itertools.count()
         self.current_schedule = None
+        self.kv_connector = KVConnector()
         self.speculator = self._make_speculator()
         self.spec_active = self.speculator is not None  # dynamic: off while the batch > spec_max_batch
         self.spec_switches = 0
@@ -74,8 +88,8 @@ class LLMEngine:
         """Resolve the speculator by name once (never per step) and build it."""
         if self.config.speculator is None:
             return None
-        from plugins.registry import resolve_speculator
-        from plugins.speculators import SpeculatorContext
+        from tandem.engine.interfaces.speculator import SpeculatorContext
+        from tandem.engine.strategies import resolve_speculator
 
         cls = resolve_speculator(self.config.speculator)
         return cls(SpeculatorContext(self.config, self.model_config, self.max_model_len,
@@ -144,20 +158,48 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def set_kv_connector(self, connector: KVConnector) -> None:
+        """Plug in a connector: the scheduler consults its scheduler half, `step` polls its worker
+        half, and the forward pass hands it each layer as soon as the layer's K/V is stored."""
+        self.kv_connector = self.scheduler.connector = connector
+        if type(connector).save_layer is not KVConnector.save_layer:
+            runner = self.runner
+            runner.layer_hook = lambda layer: connector.save_layer(layer, self.current_schedule, runner.kv_caches,
+                                                                   runner.kv_scales)
+
+    def _apply_kv_updates(self) -> list[RequestOutput]:
+        updates, outputs = self.kv_connector.poll(), []
+        sched = self.scheduler
+        for a in updates.arrived:
+            req = sched.remote.get(a.request_id)
+            if req is None:
+                continue
+            before = req.num_tokens
+            sched.remote_kv_arrived(a.request_id, a.first_token)
+            if req.logprobs is not None:  # P sampled the first token: its logprobs came with the KV
+                req.logprobs.append({int(t): float(lp) for t, lp in a.logprobs or []} or {a.first_token: float("nan")})
+            outputs.append(self._output(req, req.token_ids[before:]))
+        for rid, _reason in updates.failed:
+            if rid in sched.remote:
+                sched.compute_locally(rid)
+        for rid in updates.released:
+            sched.release(rid)
+        return outputs
+
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outputs = self._apply_kv_updates()
         if self.speculator is not None:
             self._speculate()
         out = self.scheduler.schedule()
-        self.current_schedule = out  # read by layer hooks (a prefill worker's layer-wise KV push)
+        self.current_schedule = out  # what the connector's save_layer pushes, layer by layer
         if out.empty:
-            return []
+            return outputs
         result = self.runner.execute(out)
         before = {s.request.request_id: s.request.num_tokens for s in out.scheduled}
         if self.speculator is not None:
             self._cut_runs_at_stop_strings(result)
         changed = self.scheduler.update(out, result.sampled)
-        outputs = []
         for req in changed:
             new_ids = req.token_ids[before[req.request_id]:]
             if req.logprobs is not None:
@@ -224,10 +266,6 @@ class LLMEngine:
         for row, tok in zip(logits[-len(new_ids):], new_ids):
             req.logprobs.append(top_logprobs(row, [tok], req.params.logprobs))
 
-    def emit(self, req: Request, new_ids: list[int]) -> RequestOutput:
-        """Output for tokens appended outside `step` (e.g. a decode worker's remote first token)."""
-        return self._output(req, new_ids)
-
     def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
         rid = req.request_id
         detok = self._detok.get(rid)
@@ -238,12 +276,15 @@ class LLMEngine:
             delta = self._apply_stop_strings(req, delta)
         text = self._text.get(rid, "")
         if req.finished:
+            self.kv_connector.request_finished(req)
             if self.speculator is not None:
                 self.speculator.on_request_finished(rid)
             self._detok.pop(rid, None)
             self._text.pop(rid, None)
-        completion = CompletionOutput(text, req.output_token_ids, req.finish_reason, req.stop_reason,
-                                      req.logprobs)
+        # A copy: an output made before this step's compute (a remote first token) must not see the
+        # entries the compute appends.
+        logprobs = list(req.logprobs) if req.logprobs is not None else None
+        completion = CompletionOutput(text, req.output_token_ids, req.finish_reason, req.stop_reason, logprobs)
         return RequestOutput(rid, req.prompt_token_ids, [completion], req.finished,
                              max(req.num_cached_tokens, 0), delta, new_ids)
 

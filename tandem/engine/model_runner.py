@@ -14,8 +14,8 @@ from typing import Callable
 import torch
 
 from kernels import get_ops
-from plugins.quantizers import KVLayout, KVQuantizer, NoQuantizer
 from tandem.engine import sampler, spec_decode
+from tandem.engine.interfaces.kv_quantizer import KVLayout, KVQuantizer, NoQuantizer
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.layers.attention import AttentionMetadata
 from tandem.models.loader import load_model

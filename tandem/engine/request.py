@@ -27,7 +27,7 @@ class Request:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "eos_token_ids", "max_tokens",
                  "arrival_time", "status", "num_computed_tokens", "block_ids", "block_hashes",
                  "num_cached_tokens", "generator", "spec_token_ids", "finish_reason", "stop_reason",
-                 "logprobs", "num_preemptions", "priority", "num_registered_blocks")
+                 "logprobs", "num_preemptions", "priority", "num_registered_blocks", "kv_peer")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: set[int], max_tokens: int, priority: int = 0) -> None:
@@ -51,6 +51,7 @@ class Request:
         self.stop_reason: str | int | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.num_preemptions = 0
+        self.kv_peer: str | None = None  # decode role: the prefill worker its prompt's KV comes from
 
     @property
     def num_tokens(self) -> int:

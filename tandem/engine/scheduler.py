@@ -3,8 +3,15 @@ budget to bring `num_computed_tokens` up to `num_tokens` (plus any speculated to
 
 Running requests go first (they are mostly one token behind); when blocks run out the newest
 running request is preempted (its blocks freed, recomputed later). Waiting requests are admitted
-FCFS (priority first) with their cached prefix, chunked to the remaining budget. Requests waiting
-for remote KV (decode role) hold their blocks and join `running` when the KV has arrived.
+FCFS (priority first) with their cached prefix, chunked to the remaining budget, while fewer than
+`max_num_seqs` hold a seat.
+
+Remote KV (the KV connector's scheduler half, tandem/engine/kv_connector.py) is the same queue and
+the same checks: when a waiting request is admitted and the connector says its uncached prompt will
+come from a peer, it gets blocks for the whole prompt and a seat, and waits in `remote`
+(WAITING_FOR_REMOTE_KV) without using the token budget; when the KV has arrived it joins `running`
+with its prompt computed (or, if the transfer failed, computes the prompt itself). A request that
+ends while a peer may still write its blocks keeps them in `held` until the connector releases them.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.kv_connector import KVConnector
 from tandem.engine.request import Request, RequestStatus
 
 
@@ -42,39 +50,28 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, connector: KVConnector | None = None) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.chunked = enable_chunked_prefill
+        self.connector = connector if connector is not None else KVConnector()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
+        self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV: blocks and a seat, KV in flight
+        self.held: dict[str, Request] = {}  # finished, blocks kept until the connector releases them
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
 
     # ---- admission -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
-        if req.priority and self.waiting:
-            # Lower value = more urgent; stable among equals (FCFS).
-            idx = next((i for i, r in enumerate(self.waiting) if r.priority > req.priority), len(self.waiting))
-            self.waiting.insert(idx, req)
-        else:
+        # Lower value = more urgent; stable among equals (FCFS). The common case appends.
+        if not self.waiting or self.waiting[-1].priority <= req.priority:
             self.waiting.append(req)
-
-    def add_remote(self, req: Request) -> bool:
-        """Decode role: allocate blocks for the whole prompt now (after the local prefix hit) and
-        wait for the KV. Returns False if there is no room right now (caller may retry or compute locally)."""
-        cached = self.kv.find_cached_prefix(req)
-        n_cached = len(cached) * self.kv.block_size
-        if not self.kv.allocate(req, req.num_tokens - n_cached, cached):
-            return False
-        req.num_computed_tokens, req.num_cached_tokens = n_cached, n_cached
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.requests[req.request_id] = req
-        self.remote[req.request_id] = req
-        return True
+        else:
+            idx = next(i for i, r in enumerate(self.waiting) if r.priority > req.priority)
+            self.waiting.insert(idx, req)
 
     def remote_kv_arrived(self, request_id: str, first_token: int) -> bool:
         """The prompt's KV is in this worker's blocks; the prefill worker sampled `first_token`.
@@ -90,12 +87,18 @@ class Scheduler:
         return False
 
     def compute_locally(self, request_id: str) -> Request:
-        """A request waiting for remote KV computes the rest itself (short uncached part, or the
-        prefill peer failed). Its cached prefix stays; blocks past it are simply recomputed."""
+        """The transfer failed: the request computes the rest itself (it keeps its seat, its blocks
+        and its cached prefix; blocks past the prefix are simply recomputed)."""
         req = self.remote.pop(request_id)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return req
+
+    def release(self, request_id: str) -> None:
+        """The connector says nothing writes into a held request's blocks any more."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.kv.free(req)
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -125,17 +128,29 @@ class Scheduler:
         return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
 
     def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) + len(self.remote) < self.max_num_seqs:
             req = self.waiting[0]
             cached = self.kv.find_cached_prefix(req)
-            remaining = req.num_tokens - len(cached) * self.kv.block_size
-            if not self.chunked and remaining > budget:
+            n_cached = len(cached) * self.kv.block_size
+            remaining = req.num_tokens - n_cached
+            # Asked once: a preempted request recomputes here rather than fetch its KV again.
+            external = self.connector.num_external_tokens(req, n_cached) if req.num_preemptions == 0 else 0
+            if external > 0:  # blocks for the whole prompt now; no budget: nothing is computed here
+                if not self.kv.allocate(req, remaining, cached):
+                    break
+                self.waiting.popleft()
+                req.num_computed_tokens = req.num_cached_tokens = n_cached
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                self.remote[req.request_id] = req
+                self.connector.on_allocated(req, n_cached)
+                continue
+            if budget <= 0 or (not self.chunked and remaining > budget):
                 break
             num_new = min(remaining, budget)
             if not self.kv.allocate(req, num_new, cached):
                 break
             self.waiting.popleft()
-            req.num_computed_tokens = len(cached) * self.kv.block_size
+            req.num_computed_tokens = n_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
             req.status = RequestStatus.RUNNING
@@ -181,14 +196,19 @@ class Scheduler:
             return
         if reason is not None:
             req.finish_reason = reason
+        hold = False
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         else:
             self.remote.pop(req.request_id, None)
+            hold = self.connector.hold_blocks(req)  # a peer may still be writing into its blocks
         req.status = RequestStatus.FINISHED
-        self.kv.free(req)
+        if hold:
+            self.held[req.request_id] = req
+        else:
+            self.kv.free(req)
         self.requests.pop(req.request_id, None)
 
     def abort(self, request_id: str) -> Request | None:
@@ -202,4 +222,5 @@ class Scheduler:
         return len(self.requests)
 
     def live_requests(self) -> list[Request]:
-        return list(self.requests.values())
+        """Every request that holds blocks (held ones included)."""
+        return [*self.requests.values(), *self.held.values()]

@@ -1,113 +1,132 @@
-"""Control messages (router <-> workers, decode <-> prefill): one msgpack map per ZMQ frame, with a
-`type` and the protocol version `v`. Never pickle.
+"""Control messages (router <-> workers, decode <-> prefill), one typed class each, carried by the one
+codec (tandem/protocol/codec.py): one msgpack map per ZMQ frame with `type` and the version `v`.
 
-Every received frame goes through `decode()`, which checks the map against the schema below and
-raises ProtocolError with a message naming the bad field; a worker answers that with an `error`
-message and keeps serving. `encode()` is the only way messages are built.
+Every received frame goes through `decode()`; a bad one raises ProtocolError naming the bad field, and
+the worker answers with an `error` message and keeps serving. Replies go back on the socket identity
+the request came from (P answers D's own DEALER socket).
 
-| type            | from -> to        | fields                                                                 |
-| --------------- | ----------------- | ---------------------------------------------------------------------- |
-| add_request     | router -> D       | id, token_ids, sampling, prefill_peer (P control address or None)      |
-| abort           | router -> D, D -> P | id                                                                   |
-| output          | D -> router       | id, token_ids (new), text (delta), finished, finish_reason, num_cached_tokens, num_prompt_tokens |
-| error           | any -> sender     | id (or None), message                                                  |
+| type            | from -> to          |
+| --------------- | ------------------- |
+| add_request     | router -> D         |
+| abort           | router -> D, D -> P |
+| output          | D -> router         |
+| error           | any -> sender       |
+| prefill         | D -> P              |
+| prefill_failed  | P -> D              |
+| stats / stats_reply | any -> worker -> sender |
+| trace / trace_reply | any -> worker -> sender |
+| register / heartbeat | worker -> router (an unknown worker_id is answered with `error`) |
 
-Replies go back on the socket identity the request came from (P answers D's own DEALER socket).
-| prefill         | D -> P            | id, token_ids, sampling, send_from, dest (KV receiver address), dest_block_ids |
-| prefill_done    | P -> D            | id, first_token                                                        |
-| prefill_failed  | P -> D            | id, message                                                            |
-| stats           | any -> worker     | (none)                                                                 |
-| stats_reply     | worker -> sender  | stats (map)                                                            |
-| trace           | any -> worker     | id                                                                     |
-| trace_reply     | worker -> sender  | id, events (map of name -> monotonic ns)                               |
-| register        | worker -> router  | worker_id, role ("decode" or "prefill"), control_address, model, interval_ms (heartbeat period) |
-| heartbeat       | worker -> router  | worker_id, stats (the worker's stats map); an unknown worker_id is answered with `error` |
+A prefill worker's first token travels with the KV it computed (the transfer's `done`,
+kvtransfer/wire.py), not as a control message.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import msgpack
+from tandem.protocol import codec
+from tandem.protocol.codec import PROTOCOL_VERSION, Any_, Bool, Count, Id, Ints, Map, ProtocolError, Text, message
 
-PROTOCOL_VERSION = 1
-MAX_FRAME_BYTES = 64 * 2**20
-
-
-class ProtocolError(ValueError):
-    """A frame that is not a valid control message (the text says what is wrong)."""
+__all__ = ["PROTOCOL_VERSION", "ProtocolError", "CONTROL", "encode", "decode"]
 
 
-_STR, _INT, _BOOL, _MAP, _INTS, _OPT_STR = "str", "int", "bool", "map", "ints", "str|None"
-SCHEMAS: dict[str, dict[str, str]] = {
-    "add_request": {"id": _STR, "token_ids": _INTS, "sampling": _MAP, "prefill_peer": _OPT_STR},
-    "abort": {"id": _STR},
-    "output": {"id": _STR, "token_ids": _INTS, "text": _STR, "finished": _BOOL, "finish_reason": _OPT_STR,
-               "num_cached_tokens": _INT, "num_prompt_tokens": _INT},
-    "error": {"id": _OPT_STR, "message": _STR},
-    "prefill": {"id": _STR, "token_ids": _INTS, "sampling": _MAP, "send_from": _INT, "dest": _STR,
-                "dest_block_ids": _INTS},
-    "prefill_done": {"id": _STR, "first_token": _INT},
-    "prefill_failed": {"id": _STR, "message": _STR},
-    "stats": {},
-    "stats_reply": {"stats": _MAP},
-    "trace": {"id": _STR},
-    "trace_reply": {"id": _STR, "events": _MAP},
-    "register": {"worker_id": _STR, "role": _STR, "control_address": _STR, "model": _STR, "interval_ms": _INT},
-    "heartbeat": {"worker_id": _STR, "stats": _MAP},
-}
-# Optional fields a message may carry beyond its schema (passed through unchecked but typed here).
-OPTIONAL: dict[str, dict[str, str]] = {
-    "add_request": {"text": _STR},  # the original prompt text, for logs only
-    "output": {"logprobs": "any", "stop_reason": "any"},
-    "prefill_done": {"logprobs": "any"},  # the first token's [[token_id, logprob], ...] when asked for
-}
+@message("add_request")
+class AddRequest:
+    id: Id
+    token_ids: Ints
+    sampling: Map
+    prefill_peer: Id | None  # the prefill worker's control address; None: D computes the prompt
+    text: Text | None = None  # the original prompt text, for logs only
 
 
-def _check(kind: str, value: Any) -> bool:
-    if kind == _STR:
-        return isinstance(value, str)
-    if kind == _OPT_STR:
-        return value is None or isinstance(value, str)
-    if kind == _INT:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == _BOOL:
-        return isinstance(value, bool)
-    if kind == _MAP:
-        return isinstance(value, dict)
-    if kind == _INTS:
-        return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    return True
+@message("abort")
+class Abort:
+    id: Id
+
+
+@message("output")
+class Output:
+    id: Id
+    token_ids: Ints  # new tokens
+    text: Text  # their text delta
+    finished: Bool
+    finish_reason: Text | None
+    num_cached_tokens: Count
+    num_prompt_tokens: Count
+    logprobs: Any_ = None  # per new token: [[token_id, logprob], ...]
+    stop_reason: Any_ = None
+    queue_time_s: Any_ = None
+
+
+@message("error")
+class Error:
+    id: Id | None
+    message: Text
+
+
+@message("prefill")
+class Prefill:
+    id: Id
+    token_ids: Ints
+    sampling: Map
+    send_from: Count  # tokens D already holds (a block multiple)
+    dest: Id  # D's KV receiver address
+    dest_block_ids: Ints
+
+
+@message("prefill_failed")
+class PrefillFailed:
+    id: Id
+    message: Text
+
+
+@message("stats")
+class Stats:
+    pass
+
+
+@message("stats_reply")
+class StatsReply:
+    stats: Map
+
+
+@message("trace")
+class Trace:
+    id: Id
+
+
+@message("trace_reply")
+class TraceReply:
+    id: Id
+    events: Map  # name -> monotonic ns
+
+
+@message("register")
+class Register:
+    worker_id: Id
+    role: Text  # "decode" | "prefill"
+    control_address: Id
+    model: Text
+    interval_ms: Count  # heartbeat period
+
+
+@message("heartbeat")
+class Heartbeat:
+    worker_id: Id
+    stats: Map  # the worker's stats, plus loop_age_s and loops (progress)
+
+
+CONTROL = frozenset({"add_request", "abort", "output", "error", "prefill", "prefill_failed", "stats", "stats_reply",
+                     "trace", "trace_reply", "register", "heartbeat"})
 
 
 def encode(msg_type: str, **fields: Any) -> bytes:
-    if msg_type not in SCHEMAS:
-        raise ValueError(f"unknown message type {msg_type!r}")
-    return msgpack.packb({"type": msg_type, "v": PROTOCOL_VERSION, **fields}, use_bin_type=True)
+    if msg_type not in CONTROL:
+        raise ValueError(f"unknown control message type {msg_type!r}")
+    return codec.encode(msg_type, **fields)
 
 
 def decode(frame: bytes) -> dict[str, Any]:
     """Parse and validate one control frame."""
-    if len(frame) > MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
-    try:
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(f"not a msgpack message: {type(exc).__name__}") from None
-    if not isinstance(msg, dict):
-        raise ProtocolError("a control message must be a msgpack map")
-    if msg.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {msg.get('v')!r} is not supported (this worker speaks {PROTOCOL_VERSION})")
-    msg_type = msg.get("type")
-    schema = SCHEMAS.get(msg_type) if isinstance(msg_type, str) else None
-    if schema is None:
-        raise ProtocolError(f"unknown message type {msg_type!r}; known: {sorted(SCHEMAS)}")
-    for name, kind in schema.items():
-        if name not in msg:
-            raise ProtocolError(f"{msg_type}: missing field {name!r}")
-        if not _check(kind, msg[name]):
-            raise ProtocolError(f"{msg_type}: field {name!r} must be {kind}, got {type(msg[name]).__name__}")
-    for name, kind in OPTIONAL.get(msg_type, {}).items():
-        if name in msg and not _check(kind, msg[name]):
-            raise ProtocolError(f"{msg_type}: field {name!r} must be {kind}")
-    return msg
+    return codec.decode(frame, CONTROL)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from plugins.eviction import EvictionPolicy
+from tandem.engine.interfaces.eviction import EvictionPolicy
 
 
 class FIFOEviction(EvictionPolicy):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from plugins.speculators import Speculator
+from tandem.engine.interfaces.speculator import Speculator
 from tandem.engine.request import Request
 
 

@@ -1,0 +1,101 @@
+"""PrefillKVConnector: a prefill worker's KV connector — pushes each request's blocks to its decode
+worker layer by layer as the forward pass stores them, and completes the transfer with the first token.
+
+Worker half only (a prefill engine computes every prompt itself):
+- `expect_push(rid, dest, send_from, dest_block_ids)`: where a request's KV goes (set by the
+  service before it queues the request).
+- `save_layer`: right after `layer` stored this step's K/V, the request's blocks at or beyond
+  `send_from` whose tokens are now all computed go to D's `dest_block_ids` for that layer — the
+  transfer overlaps the remaining layers' compute (chunked prefill sends a layer once per chunk).
+- `request_finished`: the first token is sampled (its logprobs recorded): `done` follows the last
+  layer on the same link, carrying the first token, so D has the KV and the token at once. D's ack is
+  not awaited. An aborted request is cancelled instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import structlog
+
+from kvtransfer import KVSender
+from tandem.engine.kv_connector import KVConnector
+from tandem.engine.request import Request
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandem.engine.scheduler import SchedulerOutput
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class Outbound:
+    """One request's transfer: where its blocks go and how far each layer has been sent."""
+
+    dest: str
+    send_from_block: int
+    dest_block_ids: list[int]
+    sent: list[int]  # per layer: blocks [send_from_block, sent[layer]) already pushed
+
+
+class PrefillKVConnector(KVConnector):
+    def __init__(self, sender: KVSender, block_size: int, num_layers: int,
+                 trace: Callable[..., None] | None = None) -> None:
+        self.sender = sender
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self.trace = trace or (lambda *a: None)
+        self.outbound: dict[str, Outbound] = {}
+        self.completed = 0
+
+    def expect_push(self, rid: str, dest: str, send_from: int, dest_block_ids: list[int]) -> None:
+        first = send_from // self.block_size
+        self.outbound[rid] = Outbound(dest, first, list(dest_block_ids), [first] * self.num_layers)
+
+    def cancel(self, rid: str) -> bool:
+        """D aborted: send nothing more for it. False if it was not (or no longer) being pushed."""
+        if self.outbound.pop(rid, None) is None:
+            return False
+        self.sender.cancel(rid)
+        return True
+
+    def save_layer(self, layer: int, schedule: SchedulerOutput, kv_caches: list[torch.Tensor],
+                   kv_scales: list[torch.Tensor] | None) -> None:
+        bs, last_layer = self.block_size, layer == self.num_layers - 1
+        for s in schedule.scheduled:
+            req = s.request
+            job = self.outbound.get(req.request_id)
+            if job is None:
+                continue
+            done_tokens = req.num_computed_tokens + s.num_new_tokens
+            ready = -(-req.num_tokens // bs) if done_tokens >= req.num_tokens else done_tokens // bs
+            first = job.sent[layer]
+            if ready <= first:
+                continue
+            src = req.block_ids[first:ready]
+            dest = job.dest_block_ids[first - job.send_from_block: ready - job.send_from_block]
+            scales = kv_scales[layer] if kv_scales is not None else None
+            self.sender.send_layer(job.dest, req.request_id, layer, kv_caches[layer], scales, src, dest)
+            job.sent[layer] = ready
+            if layer == 0:
+                self.trace(req.request_id, "first_layer_sent_ns")
+            if last_layer and done_tokens >= req.num_tokens:
+                self.trace(req.request_id, "last_layer_computed_ns")
+
+    def request_finished(self, req: Request) -> None:
+        job = self.outbound.pop(req.request_id, None)
+        if job is None:
+            return
+        if req.finish_reason == "abort" or not req.output_token_ids:
+            self.sender.cancel(req.request_id)
+            return
+        result: dict[str, Any] = {"first_token": req.output_token_ids[0]}
+        if req.logprobs:  # the first token's logprobs, as [[token_id, logprob], ...]
+            result["logprobs"] = [[t, lp] for t, lp in req.logprobs[0].items()]
+        self.sender.finish_async(req.request_id, job.dest, result)
+        self.completed += 1
+        self.trace(req.request_id, "done_ns")
+        log.info("prefill finished", request_id=req.request_id, dest=job.dest, blocks=len(job.dest_block_ids))
