@@ -111,6 +111,12 @@ class DecodeKVConnector(KVConnector):
         t.after_release = "local"
         self._cancel(rid, t)
 
+    def peer_gone(self, peer: str) -> None:
+        """P's connection dropped (killed, stopped, unreachable): its transfers will not finish."""
+        for rid, t in list(self.transfers.items()):
+            if t.peer == peer:
+                self.peer_failed(rid, f"the prefill worker at {peer} disconnected")
+
     def _cancel(self, rid: str, t: _Transfer) -> None:
         self.receiver.cancel(rid)  # a later poll reports TransferFailed: the fence
         try:

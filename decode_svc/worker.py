@@ -12,7 +12,8 @@
 4. Tokens stream back as `output` messages to the identity that added the request.
 5. `abort` ends the request at once for the client; its blocks are freed once nothing can write
    into them any more. If P refuses (`prefill_failed`), dies or goes quiet for `prefill_timeout_s`,
-   the engine recomputes the prompt here: slower, never wrong.
+   the engine recomputes the prompt here: slower, never wrong. A killed or stopped P is noticed
+   within ~2 s (PeerClients' heartbeats), not after the timeout.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ class DecodeWorker:
         for _peer, msg in self.peers.receive():
             with request_context(msg.get("id")):
                 self._safely(self.handle_peer, msg)
+        for peer in self.peers.lost():
+            if self.kv is not None:
+                self.kv.peer_gone(peer)
         if runnable or waiting_kv:
             t0 = time.monotonic()
             outs = self.engine.step()

@@ -90,6 +90,27 @@ def _views(buffer: torch.Tensor, layout: CacheLayout, num_blocks: int, layer_off
     return caches, scales
 
 
+def reap_orphaned_segments(directory: str = SHM_DIR) -> list[str]:
+    """Remove segments whose owner (the pid in the name) is gone: a decode worker killed with
+    SIGKILL cannot remove its own. Run at every allocation, so a restarted worker cleans up after the
+    one it replaces. (Each container has its own /dev/shm, so pids are of this pid namespace.)"""
+    reaped = []
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if not name.startswith(FILE_PREFIX):
+            continue
+        pid = name[len(FILE_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            _unlink(os.path.join(directory, name))
+            reaped.append(name)
+        except PermissionError:
+            pass  # alive, someone else's
+    return reaped
+
+
 def allocate_shared_kv_caches(
     layout: CacheLayout, num_blocks: int, directory: str = SHM_DIR
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, SharedKVHandle]:
@@ -98,6 +119,7 @@ def allocate_shared_kv_caches(
         raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
     if not os.path.isdir(directory):
         raise ValueError(f"shared-memory directory {directory!r} does not exist (Linux: /dev/shm)")
+    reap_orphaned_segments(directory)
     layer_offsets, scale_offsets, total = _plan(layout, num_blocks)
     path = os.path.join(directory, f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
     buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)

@@ -3,7 +3,7 @@ package uses (so `tandem plugins` lists them side by side, source `tandem-llm`).
 registers this module with pluggy as pytest registers its built-in plugins.
 
 Strategies that other parts of the tree own are imported lazily, when their kind is first
-collected, and a part that is not built yet contributes nothing:
+collected:
 
 - speculators: `plugins/speculators.py` exposes `SPECULATORS: dict[str, type]`
 - connectors:  `kvtransfer` exposes `CONNECTORS`, a name -> class mapping that imports each
@@ -14,22 +14,9 @@ collected, and a part that is not built yet contributes nothing:
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from plugins.hookspecs import hookimpl
-
-
-def _optional_table(module: str, attr: str) -> dict[str, type[Any]]:
-    """`module.attr` if that module exists; {} while it is not written yet. Errors inside an
-    existing module propagate: a broken built-in must not look like a missing one."""
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and (module == exc.name or module.startswith(exc.name + ".")):
-            return {}
-        raise
-    return dict(getattr(mod, attr, {}))
 
 
 @hookimpl
@@ -49,14 +36,20 @@ def tandem_kv_quantizers() -> dict[str, type[Any]]:
 
 @hookimpl
 def tandem_speculators() -> dict[str, type[Any]]:
-    return _optional_table("plugins.speculators", "SPECULATORS")
+    from plugins.speculators import SPECULATORS
+
+    return dict(SPECULATORS)
 
 
 @hookimpl
 def tandem_kv_connectors() -> dict[str, type[Any]]:
-    return _optional_table("kvtransfer", "CONNECTORS")
+    from kvtransfer import CONNECTORS
+
+    return dict(CONNECTORS)
 
 
 @hookimpl
 def tandem_routing_policies() -> dict[str, type[Any]]:
-    return _optional_table("plugins.routing", "ROUTING_POLICIES")
+    from plugins.routing import ROUTING_POLICIES
+
+    return dict(ROUTING_POLICIES)

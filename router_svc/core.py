@@ -15,9 +15,13 @@
 6. `Stream.close()` before the end (client cancelled or disconnected) sends `abort` to D, which
    frees the blocks on D and tells P to stop.
 7. If D is declared lost (dead: missed heartbeats; or hung: no progress for the hung timeout): a
-   request that has not handed any token to its client yet is dispatched again on another D; one
-   that has is ended with WorkerLost — a clear error, never a hung stream. A D that is merely slow
-   (a long step) is not lost: it gets fewer new requests (`Registry.routable`) and keeps its streams.
+   request that has not handed any token to its client yet is dispatched again on another D. One
+   that has is *migrated*: the prompt plus the tokens already streamed go to another D as its
+   prompt, with the remaining max_tokens, and the client's stream continues with no gap — greedy
+   output is identical to an uninterrupted run (seeded sampling restarts its generator there, and a
+   stop string that straddles the switch is not seen). With migration off, or no D left, it ends
+   with WorkerLost — a clear error, never a hung stream. A D that is merely slow (a long step) is
+   not lost: it gets fewer new requests (`Registry.routable`) and keeps its streams.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class Flight:
     """A request between admission and its end."""
 
     rid: str
-    token_ids: list[int]
+    token_ids: list[int]  # what D is asked to continue: the prompt (+ the tokens sent, after a migration)
     sampling: dict[str, Any]
     route: RouteRequest
     log: Any
@@ -66,16 +70,18 @@ class Flight:
     decode: Worker | None = None
     prefill: Worker | None = None  # counted in its inflight until the first token arrives
     tokens_out: int = 0
+    generated: list[int] = field(default_factory=list)  # token ids already handed to the client
+    prompt_len: int = 0  # the client's prompt, for usage after a migration
     attempts: int = 0
     done: bool = False
     started: float = field(default_factory=time.monotonic)
-    stats: metrics.FlightStats = field(default_factory=metrics.FlightStats)  # observability (issue 8)
+    stats: metrics.FlightStats = field(default_factory=metrics.FlightStats)
 
 
 class Router:
     def __init__(self, registry: Registry, send: Callable[..., None], decode_policy: RoutingPolicy,
                  prefill_policy: RoutingPolicy, max_inflight: int = 256, block_size: int = 16,
-                 affinity_blocks: int = 4, retry_after_s: int = 1) -> None:
+                 affinity_blocks: int = 4, retry_after_s: int = 1, migrate: bool = True) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self.registry = registry
@@ -86,6 +92,7 @@ class Router:
         self.block_size = block_size
         self.affinity_blocks = affinity_blocks
         self.retry_after_s = retry_after_s
+        self.migrate = migrate
         self.flights: dict[str, Flight] = {}
 
     # ---- 1-3: admission and dispatch --------------------------------------------------------------
@@ -97,7 +104,8 @@ class Router:
         if rid in self.flights:
             raise BadRequest(f"request_id {rid!r} is already in flight", param="request_id")
         route = RouteRequest(rid, token_ids, prefix_key(token_ids, self.block_size, self.affinity_blocks))
-        flight = Flight(rid, token_ids, params.to_dict(), route, log.bind(request_id=rid))
+        flight = Flight(rid, list(token_ids), params.to_dict(), route, log.bind(request_id=rid),
+                        prompt_len=len(token_ids))
         self._dispatch(flight, exclude=set())
         self.flights[rid] = flight
         metrics.IN_FLIGHT.set(len(self.flights))
@@ -121,10 +129,10 @@ class Router:
                 continue
             flight.decode, flight.prefill, flight.attempts = d, p, flight.attempts + 1
             d.inflight += 1
-            metrics.routed("decode", self.decode_policy, d)  # observability (issue 8)
+            metrics.routed("decode", self.decode_policy, d)
             if p is not None:
                 p.inflight += 1
-                metrics.routed("prefill", self.prefill_policy, p)  # observability (issue 8)
+                metrics.routed("prefill", self.prefill_policy, p)
             flight.log.debug("dispatched", decode=d.worker_id, prefill=p.worker_id if p else None)
             return
 
@@ -150,10 +158,11 @@ class Router:
 
     def _on_output(self, flight: Flight, msg: dict[str, Any]) -> None:
         self._release_prefill(flight)
-        metrics.on_output(flight, msg)  # observability (issue 8): TTFT, ITL, tokens, e2e, queue time
+        metrics.on_output(flight, msg)  # TTFT, ITL, tokens, e2e, queue time
         flight.tokens_out += len(msg["token_ids"])
+        flight.generated += msg["token_ids"]
         chunk = Chunk(msg["token_ids"], msg["text"], msg["finished"], msg["finish_reason"], msg.get("stop_reason"),
-                      msg["num_prompt_tokens"], msg["num_cached_tokens"], msg.get("logprobs"))
+                      flight.prompt_len, msg["num_cached_tokens"], msg.get("logprobs"))
         if chunk.finished:
             self._end(flight, chunk)
         else:
@@ -200,6 +209,8 @@ class Router:
             except ConnectionError:
                 pass
             flight.decode = None
+            if flight.tokens_out and self.migrate and self._migrate(flight, worker):
+                continue
             if flight.tokens_out:
                 flight.log.warning("decode worker lost mid-stream", worker_id=worker.worker_id,
                                    tokens_out=flight.tokens_out)
@@ -217,6 +228,25 @@ class Router:
                                 decode=flight.decode.worker_id if flight.decode else None)
             except NoWorkers as exc:
                 self._end(flight, exc)
+
+    def _migrate(self, flight: Flight, lost: Worker) -> bool:
+        """Continue a stream on another D: prompt + tokens sent so far become its prompt."""
+        self._release_prefill(flight)
+        remaining = int(flight.sampling.get("max_tokens", 16)) - flight.tokens_out
+        if remaining < 1:
+            return False
+        before = (flight.token_ids, flight.sampling)
+        flight.token_ids = flight.token_ids[:flight.prompt_len] + flight.generated
+        flight.sampling = {**flight.sampling, "max_tokens": remaining}
+        try:
+            self._dispatch(flight, exclude={lost.worker_id})
+        except NoWorkers:
+            flight.token_ids, flight.sampling = before
+            return False
+        metrics.MIGRATIONS.inc()
+        flight.log.warning("stream migrated to another decode worker", lost=lost.worker_id,
+                           decode=flight.decode.worker_id if flight.decode else None, tokens_out=flight.tokens_out)
+        return True
 
     def describe(self) -> dict[str, Any]:
         return {"in_flight": len(self.flights), "max_inflight": self.max_inflight}

@@ -84,7 +84,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                        ) -> AsyncIterator[pb.GenerateResponse]:
         stream = None
         ended_by: BaseException | None = None
-        rid = request.request_id or f"req-{uuid.uuid4().hex}"  # observability (issue 8): bound for all lines
+        rid = request.request_id or f"req-{uuid.uuid4().hex}"  # bound for all lines
         bind_request(rid)  # grpc.aio runs each RPC in its own task: the binding ends with it
         try:
             self.model.check_model(request.model)
@@ -107,7 +107,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             if stream is not None:
                 stream.close()
-            metrics.request_ended("grpc", ended_by, stream, rid)  # observability (issue 8)
+            metrics.request_ended("grpc", ended_by, stream, rid)
 
 
 async def start_grpc(router: Router, model: ServedModel, host: str, port: int

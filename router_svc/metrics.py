@@ -35,6 +35,8 @@ REQUESTS = Counter("tandem_router_requests_total", "Requests that ended, by API,
                    ["api", "outcome", "reason"])
 IN_FLIGHT = Gauge("tandem_router_requests_in_flight", "Requests admitted and not finished")
 RETRIES = Counter("tandem_router_retries_total", "Requests re-sent to another decode worker after theirs was lost")
+MIGRATIONS = Counter("tandem_router_migrations_total",
+                     "Streams moved mid-way to another decode worker (prompt + tokens sent so far) after theirs was lost")
 WORKERS = Gauge("tandem_router_workers", "Live workers known to the router", ["role"])
 WORKERS_LOST = Counter("tandem_router_workers_lost_total", "Workers removed for missing heartbeats", ["role"])
 WORKERS_HUNG = Counter("tandem_router_workers_hung_total",
@@ -132,7 +134,7 @@ def request_ended(api: str, ended_by: BaseException | None, stream: Any, request
     fields: dict[str, Any] = {"api": api, "outcome": outcome, "reason": reason}
     if flight is not None:
         st = flight.stats
-        fields.update(completion_tokens=flight.tokens_out, prompt_tokens=len(flight.token_ids),
+        fields.update(completion_tokens=flight.tokens_out, prompt_tokens=flight.prompt_len,
                       cached_tokens=st.cached_tokens, duration_s=round(time.monotonic() - flight.started, 4),
                       decode=flight.decode.worker_id if flight.decode else None)
         if st.first_token_at:

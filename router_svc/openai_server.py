@@ -80,7 +80,7 @@ class OpenAIApp:
         api = "chat" if chat else "completions"
         stream = None
         ended_by: BaseException | None = None
-        # observability (issue 8): the id is fixed before parsing so every line of this request carries it
+        # the id is fixed before parsing so every line of this request carries it
         rid = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
         bind_request(rid)  # this handler runs in its own task: the binding ends with it
         response.extra_headers["X-Request-Id"] = rid
@@ -109,7 +109,7 @@ class OpenAIApp:
         finally:
             if stream is not None:
                 stream.close()
-            metrics.request_ended(api, ended_by, stream, rid)  # observability (issue 8)
+            metrics.request_ended(api, ended_by, stream, rid)
 
     async def _collect(self, stream: Any, response: Response, chat: bool) -> None:
         totals, logprobs = Totals(), []

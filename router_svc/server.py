@@ -50,11 +50,12 @@ class RouterConfig:
     max_inflight: int = 256
     static_timeout_s: float = 3.0  # static workers: silent this long = down
     heartbeat_misses: float = 4.0  # registered workers: this many missed 0.5 s intervals = dead (~2 s)
+    migrate: bool = True  # a stream whose decode worker is lost continues on another one
     hung_timeout_s: float = 60.0  # alive but no engine-loop progress this long = hung, handled like dead
     block_size: int = 16
     affinity_blocks: int = 4
     tick_s: float = 0.1
-    metrics_port: int | None = None  # observability (issue 8): also serve /metrics here (0 = any free port)
+    metrics_port: int | None = None  # also serve /metrics here (0 = any free port)
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "block_size", "affinity_blocks"):
@@ -82,7 +83,8 @@ class RouterService:
         cfg = self.config
         self.links = WorkerLinks(self.ctx, self._on_worker_message)
         self.router = Router(self.registry, self.links.send, resolve_policy(cfg.decode_policy),
-                             resolve_policy(cfg.prefill_policy), cfg.max_inflight, cfg.block_size, cfg.affinity_blocks)
+                             resolve_policy(cfg.prefill_policy), cfg.max_inflight, cfg.block_size, cfg.affinity_blocks,
+                             migrate=cfg.migrate)
         for role, addresses in (("decode", cfg.decode), ("prefill", cfg.prefill)):
             for address in addresses:
                 self.registry.add_static(role, address)
@@ -99,7 +101,7 @@ class RouterService:
         return self.endpoints
 
     def _start_metrics(self, cfg: RouterConfig) -> None:
-        """observability (issue 8): per-worker series at scrape time; /metrics on the HTTP port, and
+        """Per-worker series at scrape time; /metrics on the HTTP port, and
         on --metrics-port when given."""
         from tandem.observability.http import MetricsServer
 
@@ -159,7 +161,7 @@ class RouterService:
             self.links.close()
         self.listen.close()
         self.ctx.term()
-        if self._metrics_server is not None:  # observability (issue 8)
+        if self._metrics_server is not None:
             self._metrics_server.close()
         if self._collector is not None:
             REGISTRY.unregister(self._collector)
@@ -171,7 +173,7 @@ def print_endpoints(model: ServedModel, endpoints: dict[str, str], file=sys.stdo
           file=file)
     print(f"  grpc    {endpoints['grpc']}  (tandem.v1.Generation, grpc.health.v1.Health, reflection)", file=file)
     print(f"  listen  {endpoints['listen']}  (workers register here)", file=file)
-    print(f"  metrics {endpoints['metrics']}  (Prometheus)", file=file, flush=True)  # observability (issue 8)
+    print(f"  metrics {endpoints['metrics']}  (Prometheus)", file=file, flush=True)
 
 
 async def serve(config: RouterConfig, on_ready: Callable[[RouterService], None] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Where tandem's shipped tiny model pair lives (issue 7).
+"""Where tandem's shipped tiny model pair lives.
 
 tandem ships a small Llama-architecture target and a smaller draft that share one tokenizer,
 trained by `tools/train_tiny.py` on the Python standard library and described in

@@ -26,6 +26,39 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
        "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+# A `sitecustomize` for one worker process: wraps LLMEngine.step so that step N sleeps (stall
+# "N:SECONDS") and/or every step with work sleeps (delay "SECONDS") — tandem itself has no test hook.
+_STEP_HOOK = """
+import os
+_stall, _delay = os.environ.get("TANDEM_TEST_STALL"), float(os.environ.get("TANDEM_TEST_STEP_DELAY") or 0)
+if _stall or _delay:
+    import time
+    from tandem.engine.llm_engine import LLMEngine
+    _n, _seconds = (int(_stall.split(":")[0]), float(_stall.split(":")[1])) if _stall else (0, 0.0)
+    _step, _count = LLMEngine.step, [0]
+    def step(self):
+        if self.scheduler.running or self.scheduler.waiting:
+            _count[0] += 1
+            if _count[0] == _n:
+                time.sleep(_seconds)
+            time.sleep(_delay)
+        return _step(self)
+    LLMEngine.step = step
+"""
+
+
+def step_hook_env(hook_dir: Path, stall: str | None = None, delay: float | None = None) -> dict[str, str]:
+    """Environment for a worker whose engine steps are slowed (see _STEP_HOOK)."""
+    hook_dir.mkdir(exist_ok=True)
+    (hook_dir / "sitecustomize.py").write_text(_STEP_HOOK)
+    env = {"PYTHONPATH": f"{hook_dir}{os.pathsep}{ROOT}"}
+    if stall:
+        env["TANDEM_TEST_STALL"] = stall
+    if delay:
+        env["TANDEM_TEST_STEP_DELAY"] = str(delay)
+    return env
+
+
 class Proc:
     def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str | None] | None = None) -> None:
         self.name, self.log = name, log_dir / f"{name}.log"

@@ -1,4 +1,4 @@
-"""The shipped tiny model pair (issue 7): files, Hugging Face compatibility, quality, engine parity.
+"""The shipped tiny model pair: files, Hugging Face compatibility, quality, engine parity.
 
 transformers is the oracle throughout. The first group of tests needs only the assets; the last
 two run the tandem engine on the shipped target (greedy parity, held-out scoring).

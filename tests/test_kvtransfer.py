@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import random
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -262,3 +264,20 @@ def test_layout_and_header_validation() -> None:
         wire.parse_kv(wire.decode(header), FP32)
     with pytest.raises(wire.ProtocolError, match="shape"):
         wire.parse_kv(wire.decode(header), replace(INT8, head_dim=16))
+
+
+def test_orphaned_shm_segments_are_reaped(tmp_path: Path) -> None:
+    """A SIGKILLed decode worker leaves its segment behind; the next allocation removes it, and only it."""
+    from kvtransfer.shm_connector import FILE_PREFIX, allocate_shared_kv_caches
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"{FILE_PREFIX}{dead.stdout.strip()}-abc"
+    alive = tmp_path / f"{FILE_PREFIX}{os.getppid()}-def"  # our parent: alive
+    for f in (orphan, alive):
+        f.write_bytes(b"x")
+    _, _, handle = allocate_shared_kv_caches(FP32, 4, directory=str(tmp_path))
+    try:
+        assert not orphan.exists() and alive.exists() and os.path.exists(handle.path)
+    finally:
+        handle.close()
+    assert not os.path.exists(handle.path)

@@ -6,8 +6,9 @@
   ends with a clear error, it stops getting requests, the other worker serves.
 - SIGKILL and SIGSTOP are noticed within ~2 s; a SIGCONTed worker comes back.
 
-The stall is injected by a `sitecustomize` module put on the PYTHONPATH of one worker process only:
-it wraps `LLMEngine.step` so that step number N sleeps (tandem's own code has no test hook).
+The stall is injected by a `sitecustomize` module put on the PYTHONPATH of one worker process only
+(service_procs.step_hook_env): it wraps `LLMEngine.step` so that step number N sleeps (tandem's own
+code has no test hook).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from service_procs import ROOT, Proc, get_json, router_endpoints, start_router, stop_all, wait_workers
+from service_procs import Proc, get_json, router_endpoints, start_router, step_hook_env, stop_all, wait_workers
 
 from tandem.default_model import ASSETS_DIR, TARGET_NAME
 
@@ -29,31 +30,11 @@ pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not 
 
 TARGET_DIR = ASSETS_DIR / TARGET_NAME
 
-STALL_HOOK = '''
-import os
-_spec = os.environ.get("TANDEM_TEST_STALL")  # "N:SECONDS": the Nth engine step sleeps SECONDS first
-if _spec:
-    import time
-    from tandem.engine.llm_engine import LLMEngine
-    _n, _seconds = int(_spec.split(":")[0]), float(_spec.split(":")[1])
-    _step, _count = LLMEngine.step, [0]
-    def step(self):
-        _count[0] += 1
-        if _count[0] == _n:
-            time.sleep(_seconds)
-        return _step(self)
-    LLMEngine.step = step
-'''
 HEALTH_POLL_S = 0.1
 
 
 def start_decode(name: str, router: str, logs: Path, stall: str | None = None) -> Proc:
-    env = None
-    if stall is not None:
-        hook_dir = logs / f"hook-{name}"
-        hook_dir.mkdir()
-        (hook_dir / "sitecustomize.py").write_text(STALL_HOOK)
-        env = {"TANDEM_TEST_STALL": stall, "PYTHONPATH": f"{hook_dir}:{ROOT}"}
+    env = step_hook_env(logs / f"hook-{name}", stall=stall) if stall is not None else None
     return Proc(name, [sys.executable, "-m", "tandem.cli", "decode", "--model", str(TARGET_DIR), "--kv-connector",
                        "none", "--listen", "tcp://127.0.0.1:0", "--router", router, "--worker-id", name,
                        "--num-kv-blocks", "256"], logs, env)

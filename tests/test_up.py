@@ -152,19 +152,39 @@ def test_sigterm_stops_every_process(up):
     wait_gone(up["ckpt"], timeout=1)  # `tandem up` waited for them: nothing is left even briefly
 
 
-def test_colocated_serves_and_a_dead_child_stops_everything(tmp, llm):
+def _pid_of(parent: int, role: str) -> int:
+    return next(p for p in children_of(parent)
+                if f" {role} ".encode() in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" "))
+
+
+def test_dead_worker_is_restarted_and_a_dead_router_stops_everything(tmp, llm):
     proc, ready, ckpt = start_up(tmp, "colocated", "--colocated", "--decode", "1")
     try:
         assert set(ready["workers"]) == {"decode-0"}
         client = openai.OpenAI(base_url=f"{ready['http']}/v1", api_key="none", max_retries=0)
-        out = client.completions.create(model=ready["model"], prompt="import sys\n", max_tokens=MAX_TOKENS,
-                                        temperature=0)
-        assert out.choices[0].text == llm.generate(["import sys\n"], greedy())[0].text
-        decode = [p for p in children_of(proc.popen.pid)
-                  if b" decode " in Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")]
-        os.kill(decode[0], signal.SIGKILL)
+        want = llm.generate(["import sys\n"], greedy())[0].text
+
+        def ask() -> str:
+            return client.completions.create(model=ready["model"], prompt="import sys\n", max_tokens=MAX_TOKENS,
+                                             temperature=0).choices[0].text
+
+        assert ask() == want
+        first = _pid_of(proc.popen.pid, "decode")
+        os.kill(first, signal.SIGKILL)
+        proc.wait_for(r"decode-0 exited \(exit code -9\).*\n(.*\n)*.*restarting decode-0 in 1s", timeout=30)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the router serves again once the new worker registered
+            try:
+                if ask() == want:
+                    break
+            except openai.APIError:
+                time.sleep(0.5)
+        else:
+            raise AssertionError("the restarted decode worker never served")
+        assert proc.popen.poll() is None and _pid_of(proc.popen.pid, "decode") != first
+        os.kill(_pid_of(proc.popen.pid, "router"), signal.SIGKILL)  # the front door: nothing to serve with
         assert proc.popen.wait(30) == 1
-        assert "decode-0 exited unexpectedly (exit code -9)" in proc.log.read_text()
+        assert "router exited unexpectedly (exit code -9)" in proc.log.read_text()
         wait_gone(ckpt, timeout=1)
     finally:
         proc.stop()

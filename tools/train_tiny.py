@@ -1,4 +1,4 @@
-"""Train and export tandem's shipped tiny model pair (issue 7): `tiny-target` and `tiny-draft`.
+"""Train and export tandem's shipped tiny model pair: `tiny-target` and `tiny-draft`.
 
 This file owns the whole recipe, end to end:
   1. corpus   - the running interpreter's standard library *.py files (sorted; site-packages

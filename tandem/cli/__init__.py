@@ -17,13 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="tandem: LLM serving with disaggregated prefill and decode")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"tandem.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"tandem.cli.{name}":
-                continue  # not built yet
-            raise
-        module.register(sub)
+        importlib.import_module(f"tandem.cli.{name}").register(sub)
     return parser
 
 

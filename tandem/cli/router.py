@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from tandem.cli.engine_args import add_model_arg, resolve_model
-from tandem.observability.cli import add_observability_args, setup_logging  # observability (issue 8)
+from tandem.observability.cli import add_observability_args, setup_logging
 
 _POLICY_HELP = "round_robin | least_loaded | prefix_affinity, or a plugin's (see `tandem plugins`)"
 
@@ -37,12 +37,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hung-timeout", type=float, default=60.0,
                    help="seconds a live worker may make no engine-loop progress before it is treated as dead "
                         "(its requests retried or failed); a slower worker only gets fewer new requests")
+    p.add_argument("--no-migration", dest="migrate", action="store_false",
+                   help="end a stream whose decode worker is lost with an error instead of continuing it on another")
     p.add_argument("--static-timeout", type=float, default=3.0,
                    help="seconds a static worker may go without answering the router's stats poll")
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (for prefix affinity)")
     p.add_argument("--affinity-blocks", type=int, default=4,
                    help="prefix_affinity keys on this many leading blocks of the prompt")
-    add_observability_args(p, worker=False)  # observability (issue 8): --metrics-port, --log-level, --log-prompts
+    add_observability_args(p, worker=False)  # --metrics-port, --log-level, --log-prompts
     p.set_defaults(func=run)
 
 
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from tandem.engine.strategies import resolve_routing_policy as resolve_policy
     from tandem.observability.logging import bind_service
 
-    setup_logging(args)  # observability (issue 8)
+    setup_logging(args)
     bind_service(service="router")
     for policy in (args.decode_policy, args.prefill_policy):
         resolve_policy(policy)  # an unknown name fails here, before any port is bound
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
                           decode=args.decode, prefill=args.prefill, decode_policy=args.decode_policy,
                           prefill_policy=args.prefill_policy, max_inflight=args.max_inflight,
                           static_timeout_s=args.static_timeout, heartbeat_misses=args.heartbeat_misses,
-                          hung_timeout_s=args.hung_timeout,
+                          hung_timeout_s=args.hung_timeout, migrate=args.migrate,
                           block_size=args.block_size, affinity_blocks=args.affinity_blocks,
                           metrics_port=args.metrics_port)
     asyncio.run(serve(config))

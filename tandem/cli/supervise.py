@@ -1,7 +1,9 @@
 """Child-process supervision shared by `tandem up` and `tandem launch`: start tethered children in
 their own sessions, relay and remember their output, wait for their ready lines and for the router
-to see every worker, print the endpoints, and stop everything — in order on a signal, all of it
-when one child dies.
+to see every worker, print the endpoints, and keep serving: a worker that dies is reported with its
+last lines and restarted (backoff 1, 2, 4 ... 30 s; at most MAX_RESTARTS in a row, a run of
+HEALTHY_RUN_S resets the count) while the router serves with the survivors. Only the router's death,
+or a worker that keeps dying, stops everything; so does a signal, in order.
 
 A Supervisor is driven from the main thread; one reader thread per child drains its output (so a
 chatty child never blocks on a full pipe) into a bounded tail plus, until it is ready, the list of
@@ -29,6 +31,9 @@ from typing import Callable
 
 STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
 TAIL_LINES = 40  # a dead child's last lines, shown in the error report
+MAX_RESTARTS = 5  # a worker that dies this many times in a row (each run shorter than HEALTHY_RUN_S) stops all
+HEALTHY_RUN_S = 60.0
+MAX_BACKOFF_S = 30.0
 
 
 class ChildExited(RuntimeError):
@@ -46,6 +51,10 @@ class Child:
     name: str
     argv: list[str]
     popen: subprocess.Popen
+    env: dict[str, str] | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0  # consecutive restarts (reset by a run of HEALTHY_RUN_S)
+    restart_at: float | None = None  # dead, to be started again at this time
     startup: list[str] = field(default_factory=list)  # every line until the child is ready
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     ready: bool = False
@@ -56,6 +65,7 @@ class Supervisor:
     def __init__(self, echo: bool = True) -> None:
         self.echo = echo
         self.children: dict[str, Child] = {}
+        self.restarts_total = 0
         self._cond = threading.Condition()
         self._print_lock = threading.Lock()
 
@@ -64,7 +74,7 @@ class Supervisor:
         # own children (ssh's, for remote ones). stdin=PIPE is the tether: it closes when we die.
         popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  env=env, start_new_session=True, bufsize=0)
-        child = Child(name, argv, popen)
+        child = Child(name, argv, popen, env)
         child.reader = threading.Thread(target=self._read, args=(child,), name=f"read-{name}", daemon=True)
         self.children[name] = child
         child.reader.start()
@@ -94,6 +104,34 @@ class Supervisor:
                     child.reader.join(1.0)  # its last words
                 raise ChildExited(child.name, code, list(child.tail))
 
+    def keep_workers_up(self, label: str) -> None:
+        """Serving: restart dead workers with backoff; ChildExited if the router died or a worker
+        keeps dying (then everything stops)."""
+        now = time.monotonic()
+        for name, child in list(self.children.items()):
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    restarted = self.start(name, child.argv, child.env)
+                    restarted.restarts, restarted.ready = child.restarts, True
+                    self.restarts_total += 1
+                continue
+            code = child.popen.poll()
+            if code is None:
+                continue
+            if child.reader is not None:
+                child.reader.join(1.0)  # its last words
+            if now - child.started_at >= HEALTHY_RUN_S:
+                child.restarts = 0
+            if name == "router" or child.restarts >= MAX_RESTARTS:
+                raise ChildExited(name, code, list(child.tail))
+            child.restarts += 1
+            delay = min(MAX_BACKOFF_S, 2.0 ** (child.restarts - 1))
+            child.restart_at = now + delay
+            tail = "\n".join(f"    {line}" for line in list(child.tail)[-10:]) or "    (no output)"
+            print(f"{label}: {name} exited (exit code {code}); its last output:\n{tail}\n{label}: restarting {name} "
+                  f"in {delay:.0f}s (restart {child.restarts} of at most {MAX_RESTARTS} in a row); the router serves "
+                  "with the other workers meanwhile", file=sys.stderr, flush=True)
+
     def wait_for(self, child: Child, patterns: list[str], timeout: float) -> list[re.Match]:
         """Wait until each regex matches a start-up line of `child` (MULTILINE), then mark it ready."""
         deadline = time.monotonic() + timeout
@@ -110,7 +148,7 @@ class Supervisor:
                 raise TimeoutError(f"{child.name} did not become ready within {timeout:.0f}s")
 
     def router_endpoints(self, child: Child, timeout: float) -> dict[str, str]:
-        keys = ["http", "grpc", "listen"] + (["metrics"] if accepts_flag("router", "--metrics-port") else [])
+        keys = ["http", "grpc", "listen", "metrics"]
         found = self.wait_for(child, [rf"^\s*{k}\s+(\S+)" for k in keys], timeout)
         return {k: m.group(1) for k, m in zip(keys, found)}
 
@@ -177,7 +215,7 @@ def run_supervised(sup: Supervisor, start_all: Callable[[], dict], label: str, s
         info = start_all()
         print_ready(label, summary, info)
         while True:
-            sup.check()
+            sup.keep_workers_up(label)
             time.sleep(0.2)
     except Stopped as exc:
         print(f"{label}: {exc}, stopping {len(sup.children)} processes", file=sys.stderr, flush=True)
@@ -211,15 +249,6 @@ def print_ready(label: str, summary: str, info: dict) -> None:
               "tandem-up-ready " + json.dumps({"http": http, "grpc": grpc_target, "model": model, "metrics": metrics,
                                                "workers": info.get("workers", {})})]
     print("\n".join(lines), flush=True)
-
-
-@lru_cache(maxsize=None)
-def accepts_flag(command: str, flag: str) -> bool:
-    """Whether `tandem COMMAND` has FLAG (lets us pass options that other work is still adding)."""
-    from tandem.cli import build_parser
-
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return command in sub.choices and flag in sub.choices[command]._option_string_actions
 
 
 @lru_cache(maxsize=1)

@@ -36,7 +36,6 @@ from tandem.cli import cpus
 from tandem.cli.engine_args import add_engine_args, add_model_arg
 from tandem.cli.supervise import (
     Supervisor,
-    accepts_flag,
     engine_flags,
     resolve_model_path,
     run_supervised,
@@ -71,6 +70,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "is this process's affinity mask, capped by an exported OMP_NUM_THREADS")
     p.add_argument("--hung-timeout", type=float, default=None,
                    help="the router's hung timeout: seconds a live worker may make no progress (default 60)")
+    p.add_argument("--no-migration", dest="migrate", action="store_false",
+                   help="the router ends a stream whose decode worker died instead of continuing it on another")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every worker")
     p.add_argument("--quiet", action="store_true", help="do not relay the children's logs to stderr")
     add_engine_args(p)
@@ -90,18 +91,18 @@ def _counts(args: argparse.Namespace) -> tuple[int, int]:
 
 def build_commands(args: argparse.Namespace, model: str) -> tuple[list[str], list[tuple[str, str, list[str]]]]:
     """The router's `tandem` arguments and, per worker, (name, role, arguments without --router)."""
-    metrics = accepts_flag("decode", "--metrics-port")  # the observability flag, once it exists
     router = ["router", "--model", model, "--host", args.host, "--http-port", str(args.http_port),
               "--grpc-port", str(args.grpc_port), "--listen", "tcp://127.0.0.1:0"]
     for flag, value in (("--served-model-name", args.served_model_name), ("--decode-policy", args.decode_policy),
                         ("--prefill-policy", args.prefill_policy), ("--hung-timeout", args.hung_timeout)):
         if value is not None:
             router += [flag, str(value)]
+    if not args.migrate:
+        router.append("--no-migration")
     prefill, decode = _counts(args)
     shared = ["--model", model, "--listen", "tcp://127.0.0.1:0", *engine_flags(vars(args))]
-    if metrics:  # the router serves /metrics on its HTTP port; each worker gets a free port of its own
-        shared += ["--metrics-port", "0"]
-    if accepts_flag("decode", "--log-format") and sys.stderr.isatty():
+    shared += ["--metrics-port", "0"]  # the router serves /metrics on its HTTP port; each worker on its own
+    if sys.stderr.isatty():
         # children write into our pipes, so they would pick JSON logs; we relay them to a person
         router += ["--log-format", "console"]
         shared += ["--log-format", "console"]

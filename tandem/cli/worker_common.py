@@ -9,8 +9,8 @@ import signal
 import sys
 
 from tandem.cli.engine_args import add_engine_args, add_model_arg, engine_config_from_args, resolve_model
-from tandem.observability.cli import add_observability_args, setup_logging  # observability (issue 8)
-from tandem.observability.logging import bind_service  # observability (issue 8)
+from tandem.observability.cli import add_observability_args, setup_logging
+from tandem.observability.logging import bind_service
 
 
 def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -26,10 +26,10 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
                         "or i/n for slice i of n of the affinity mask (default: every core the mask allows, "
                         "capped by OMP_NUM_THREADS)")
     add_engine_args(p)
-    add_observability_args(p, worker=True)  # observability (issue 8): --metrics-port, --log-level, --log-prompts
+    add_observability_args(p, worker=True)  # --metrics-port, --log-level, --log-prompts
 
 
-# ---- observability (issue 8) ----------------------------------------------------------------------
+# ---- observability --------------------------------------------------------------------------------
 def worker_id(args: argparse.Namespace, role: str) -> str:
     """The worker's name: reported to the router, a label of its metrics, bound in its logs."""
     return args.worker_id or f"{role}-{os.getpid()}"

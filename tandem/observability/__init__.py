@@ -1,4 +1,4 @@
-"""Observability shared by every tandem service (issue 8; docs/OBSERVABILITY.md).
+"""Observability shared by every tandem service (docs/OBSERVABILITY.md).
 
 - logging.py         `configure_logging(level, json=None)`: structlog JSON lines / console, request ids
 - worker_metrics.py  WorkerMetrics: a worker's Prometheus metrics (stats read at scrape time + step timing)

@@ -1,6 +1,11 @@
 """ZMQ control channel: a worker's ROUTER socket (ControlServer) and the DEALER sockets it or the
 router uses to talk to peers (PeerClients). Frames are validated by `messages.decode`; a bad frame
 is answered with an `error` message and never reaches the worker's logic.
+
+PeerClients also notice a peer's death fast: ZMTP heartbeats (answered by the peer's ZMQ I/O
+thread, so a busy peer still answers; a killed or stopped one does not) drop the connection after
+PEER_HEARTBEAT_TIMEOUT_MS of silence, a killed peer's connection closes at once, and a socket
+monitor reports either as `lost()`. A peer restarted at the same address is reconnected by ZMQ.
 """
 
 from __future__ import annotations
@@ -9,11 +14,14 @@ from typing import Any, Iterator
 
 import structlog
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from tandem.protocol import messages
 from tandem.protocol.messages import ProtocolError
 
 log = structlog.get_logger(__name__)
+PEER_HEARTBEAT_IVL_MS = 500
+PEER_HEARTBEAT_TIMEOUT_MS = 1500
 
 
 def dealer_socket(ctx: zmq.Context, address: str, send_hwm: int = 10000) -> zmq.Socket:
@@ -75,12 +83,29 @@ class PeerClients:
     def __init__(self, ctx: zmq.Context) -> None:
         self.ctx = ctx
         self.socks: dict[str, zmq.Socket] = {}
+        self.monitors: dict[str, zmq.Socket] = {}
 
     def get(self, address: str) -> zmq.Socket:
         sock = self.socks.get(address)
         if sock is None:
-            sock = self.socks[address] = dealer_socket(self.ctx, address)
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 10000)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, PEER_HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, PEER_HEARTBEAT_TIMEOUT_MS)
+            self.monitors[address] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            sock.connect(address)
+            self.socks[address] = sock
         return sock
+
+    def lost(self) -> list[str]:
+        """Peers whose connection dropped since the last call (killed, stopped, or unreachable)."""
+        gone = []
+        for address, mon in self.monitors.items():
+            while mon.poll(0):
+                if recv_monitor_message(mon)["event"] == zmq.EVENT_DISCONNECTED and address not in gone:
+                    gone.append(address)
+        return gone
 
     def send(self, address: str, msg_type: str, **fields: Any) -> None:
         try:
@@ -106,6 +131,9 @@ class PeerClients:
             poller.register(sock, zmq.POLLIN)
 
     def close(self) -> None:
-        for sock in self.socks.values():
+        for address, sock in self.socks.items():
+            sock.disable_monitor()
+            self.monitors[address].close(0)
             sock.close(0)
         self.socks.clear()
+        self.monitors.clear()

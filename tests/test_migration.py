@@ -1,0 +1,113 @@
+"""A decode worker's death costs no stream: the router moves it, mid-way, to another decode worker
+(real router + two decode workers on loopback, the shipped model).
+
+The serving worker is SIGKILLed after the client has received part of a greedy stream; the stream
+goes on with no error, and its whole text equals the offline engine's for the same request. With
+`--no-migration` the same kill ends the stream with a clear error instead.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from service_procs import Proc, get_json, router_endpoints, start_router, step_hook_env, stop_all, wait_workers
+from tandem.default_model import ASSETS_DIR, TARGET_NAME
+
+pytestmark = pytest.mark.slow
+TARGET_DIR = ASSETS_DIR / TARGET_NAME
+PROMPT = "import os\nimport sys\n\n\ndef main():\n"
+MAX_TOKENS = 120
+KILL_AFTER_CHUNKS = 30
+
+
+def start_decode(name: str, router: str, logs: Path) -> Proc:
+    # Steps slowed to ~20 ms so that the kill lands mid-stream on any machine.
+    return Proc(name, [sys.executable, "-m", "tandem.cli", "decode", "--model", str(TARGET_DIR), "--kv-connector",
+                       "none", "--listen", "tcp://127.0.0.1:0", "--router", router, "--worker-id", name,
+                       "--num-kv-blocks", "256"], logs, step_hook_env(logs / f"hook-{name}", delay=0.02))
+
+
+def stream_and_kill(http: str, workers: dict[str, Proc]) -> tuple[str, str | None, str]:
+    """Stream one greedy completion; after KILL_AFTER_CHUNKS chunks SIGKILL the worker serving it.
+    Returns (text, error message or None, the killed worker's name)."""
+    body = {"model": "tiny-target", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(f"{http}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    text, error, chunks, killed = "", None, 0, ""
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]["message"]
+                continue
+            text += "".join(c["text"] for c in event["choices"])
+            chunks += 1
+            if chunks == KILL_AFTER_CHUNKS:
+                _, health = get_json(f"{http}/health")
+                busy = [w["worker_id"] for w in health["workers"] if w["role"] == "decode" and w["inflight"]]
+                assert len(busy) == 1, health
+                killed = busy[0]
+                workers[killed].popen.kill()
+    return text, error, killed
+
+
+def metric(http: str, name: str) -> float:
+    with urllib.request.urlopen(f"{http}/metrics", timeout=10) as r:
+        lines = [line for line in r.read().decode().splitlines() if line.startswith(name + " ")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+@pytest.fixture(scope="module")
+def expected() -> str:
+    from tandem import LLM, SamplingParams
+
+    out = LLM(str(TARGET_DIR)).generate([PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    return out[0].text
+
+
+@pytest.mark.parametrize("migrate", [True, False], ids=["migration", "no-migration"])
+def test_killed_decode_worker_mid_stream(tmp_path, expected, migrate):
+    router = start_router("router", str(TARGET_DIR), tmp_path, *([] if migrate else ["--no-migration"]))
+    procs = [router]
+    try:
+        ep = router_endpoints(router)
+        workers = {name: start_decode(name, ep["listen"], tmp_path) for name in ("d1", "d2")}
+        procs += workers.values()
+        wait_workers(ep["http"], decode=2)
+        t0 = time.monotonic()
+        text, error, killed = stream_and_kill(ep["http"], workers)
+        assert killed
+        if migrate:
+            assert error is None, error
+            assert text == expected
+            assert metric(ep["http"], "tandem_router_migrations_total") == 1
+        else:
+            assert error is not None and "stopped responding" in error and text and expected.startswith(text)
+        assert time.monotonic() - t0 < 60
+    finally:
+        stop_all(procs)
+
+
+def test_migration_needs_a_survivor(tmp_path):
+    """One decode worker: nowhere to go, so the stream ends with an error rather than hanging."""
+    router = start_router("router", str(TARGET_DIR), tmp_path)
+    procs = [router]
+    try:
+        ep = router_endpoints(router)
+        workers = {"d1": start_decode("d1", ep["listen"], tmp_path)}
+        procs += workers.values()
+        wait_workers(ep["http"], decode=1)
+        text, error, _ = stream_and_kill(ep["http"], workers)
+        assert error is not None and text
+    finally:
+        stop_all(procs)

@@ -1,0 +1,79 @@
+"""A decode worker notices a dead prefill worker in ~2 s, not after --prefill-timeout, and recomputes
+the prompt itself; a prefill worker that is only slow keeps its work (real router, P and D processes).
+
+P's first prefill step is made to take long (a `sitecustomize` hook, service_procs.step_hook_env),
+the request is in flight on it, then P is SIGKILLed or SIGSTOPped: the answer arrives within a few
+seconds, identical to the offline engine's, though --prefill-timeout is 30 s.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from service_procs import (Proc, post, router_endpoints, start_router, step_hook_env, stop_all, wait_workers,
+                           worker_stats)
+from tandem.default_model import ASSETS_DIR, TARGET_NAME
+
+pytestmark = pytest.mark.slow
+TARGET_DIR = ASSETS_DIR / TARGET_NAME
+PROMPT = "class Config:\n    def __init__(self, path):\n        self.path = path\n"
+MAX_TOKENS = 16
+
+
+def start(role: str, name: str, router: str, logs: Path, *flags: str, env: dict | None = None) -> Proc:
+    return Proc(name, [sys.executable, "-m", "tandem.cli", role, "--model", str(TARGET_DIR), "--listen",
+                       "tcp://127.0.0.1:0", "--router", router, "--worker-id", name, "--num-kv-blocks", "256",
+                       "--kv-connector", "zmq", *flags], logs, env)
+
+
+@pytest.fixture(scope="module")
+def expected() -> str:
+    from tandem import LLM, SamplingParams
+
+    return LLM(str(TARGET_DIR)).generate([PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].text
+
+
+@pytest.mark.parametrize("fate", ["sigkill", "sigstop", "slow"])
+def test_decode_worker_outlives_its_prefill_peer(tmp_path, expected, fate):
+    stall = "1:4" if fate == "slow" else "1:120"
+    router = start_router("router", str(TARGET_DIR), tmp_path)
+    procs = [router]
+    try:
+        ep = router_endpoints(router)
+        prefill = start("prefill", "p", ep["listen"], tmp_path, env=step_hook_env(tmp_path / "hook", stall=stall))
+        decode = start("decode", "d", ep["listen"], tmp_path, "--local-prefill-threshold", "0",
+                       "--prefill-timeout", "30")
+        procs += [prefill, decode]
+        wait_workers(ep["http"], decode=1, prefill=1)
+        d_control = decode.wait_for(r'tandem-decode-ready \{"control": "([^"]+)"').group(1)
+        body = {"model": "tiny-target", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+        result: dict = {}
+        t = threading.Thread(target=lambda: result.update(r=post(f"{ep['http']}/v1/completions", body)))
+        t0 = time.monotonic()
+        t.start()
+        time.sleep(1.5)  # the prefill request is on P now, stalled in its first step
+        if fate == "sigkill":
+            prefill.popen.kill()
+        elif fate == "sigstop":
+            prefill.popen.send_signal(signal.SIGSTOP)
+        t.join(60)
+        elapsed = time.monotonic() - t0
+        if fate == "sigstop":
+            prefill.popen.send_signal(signal.SIGCONT)
+        status, _, out = result["r"]
+        assert status == 200 and out["choices"][0]["text"] == expected, out
+        stats = worker_stats(d_control)
+        assert stats["remote_prefills"] == 1
+        if fate == "slow":
+            assert stats["fallbacks"] == 0 and elapsed >= 4  # waited for the slow peer
+        else:
+            assert stats["fallbacks"] == 1 and "disconnected" in stats["last_fallback_reason"]
+            assert elapsed < 8, f"took {elapsed:.1f}s: the dead peer was noticed late"
+    finally:
+        stop_all(procs)
