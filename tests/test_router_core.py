@@ -87,7 +87,7 @@ def test_core_retries_unstarted_fails_started_and_admits_boundedly():
             reg.handle({"type": "register", "worker_id": wid, "role": "decode", "control_address": f"tcp://{wid}",
                         "model": "m", "interval_ms": 100})
         router = Router(reg, lambda addr, kind, **f: sent.append((addr, kind, f["id"])), RoundRobin(), RoundRobin(),
-                        max_inflight=3)
+                        max_inflight=3, migrate=False)
         params = SamplingParams(max_tokens=4)
         s1, s2, s3 = (router.submit([1, 2, 3], params, rid) for rid in ("r1", "r2", "r3"))  # a, b, a
         with pytest.raises(Overloaded):
@@ -106,5 +106,36 @@ def test_core_retries_unstarted_fails_started_and_admits_boundedly():
         assert (await s3.__anext__()).token_ids == [5, 6]
         s2.close()  # a client that goes away aborts its request on D
         assert sent[-1] == ("tcp://b", "abort", "r2") and router.flights == {}
+
+    asyncio.run(main())
+
+
+def test_core_migrates_a_started_stream_to_another_worker():
+    from plugins.routing import RoundRobin
+    from router_svc.core import Router
+    from router_svc.registry import Registry
+    from tandem.sampling_params import SamplingParams
+
+    def out(rid, tokens, finished=False, prompt=3):
+        return {"type": "output", "id": rid, "token_ids": tokens, "text": "t" * len(tokens), "finished": finished,
+                "finish_reason": "length" if finished else None, "num_cached_tokens": 0, "num_prompt_tokens": prompt}
+
+    async def main():
+        reg, sent = Registry(), []
+        for wid in ("a", "b"):
+            reg.handle({"type": "register", "worker_id": wid, "role": "decode", "control_address": f"tcp://{wid}",
+                        "model": "m", "interval_ms": 100})
+        router = Router(reg, lambda addr, kind, **f: sent.append((addr, kind, f)), RoundRobin(), RoundRobin())
+        stream = router.submit([1, 2, 3], SamplingParams(max_tokens=5, temperature=0), "r1")
+        router.on_worker_message("tcp://a", out("r1", [7, 8]))
+        assert (await stream.__anext__()).token_ids == [7, 8]
+        reg.workers["b"].last_seen += 10
+        router.on_worker_lost(reg.expire(reg.workers["a"].last_seen + 1.0)[0])
+        addr, kind, fields = sent[-1]
+        assert (addr, kind, fields["token_ids"], fields["sampling"]["max_tokens"]) == ("tcp://b", "add_request",
+                                                                                        [1, 2, 3, 7, 8], 3)
+        router.on_worker_message("tcp://b", out("r1", [9, 4, 2], finished=True, prompt=5))
+        last = await stream.__anext__()
+        assert last.token_ids == [9, 4, 2] and last.finished and last.num_prompt_tokens == 3  # the client's prompt
 
     asyncio.run(main())
