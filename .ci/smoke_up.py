@@ -107,7 +107,8 @@ def main() -> int:
         assert code == 0, f"tandem up exited {code} on SIGINT"
         left = subprocess.run(["pgrep", "-f", "tandem.cli.up (router|prefill|decode)"], capture_output=True, text=True)
         assert not left.stdout.strip(), f"processes left behind: {left.stdout}"
-        print("smoke test passed: HTTP, HTTP stream and gRPC answers equal the offline engine's; tandem up stopped cleanly")
+        print("smoke test passed: HTTP, HTTP stream and gRPC answers equal the offline engine's; "
+              "tandem up stopped cleanly")
         return 0
     except Exception as exc:
         log.seek(0)

@@ -131,7 +131,8 @@ def main() -> int:
         stop.set()
         for t in threads:
             t.join(90)
-        migrations, retries = metric(http, "tandem_router_migrations_total"), metric(http, "tandem_router_retries_total")
+        migrations = metric(http, "tandem_router_migrations_total")
+        retries = metric(http, "tandem_router_retries_total")
     finally:
         up.send_signal(signal.SIGINT)
         try:

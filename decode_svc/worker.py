@@ -64,10 +64,15 @@ class DecodeWorker:
         return self.server.address
 
     # ---- loop ------------------------------------------------------------------------------
-    def run(self) -> None:
+    def run(self, until=None) -> None:
+        """Serve until stop(), or until `until()` is true (checked after every iteration)."""
         log.info("decode worker serving", address=self.address, kv=self.kv.address if self.kv else None)
-        while not self._stopped:
+        while not self._stopped and not (until is not None and until()):
             self.run_once()
+
+    def idle(self) -> bool:
+        """Nothing in flight: no request, no transfer, no held blocks."""
+        return not self.engine.has_unfinished_requests() and not (self.kv is not None and self.kv.has_pending)
 
     def stop(self) -> None:
         self._stopped = True

@@ -135,11 +135,11 @@ def _merge_kernel(
         smask = s0 + splits < n_live
         rows = row0 + (s0 + splits) * row_step
         m = tl.load(pml_ptr + rows * 2, mask=smask, other=float("-inf"))
-        l = tl.load(pml_ptr + rows * 2 + 1, mask=smask, other=0.0)
+        l_sum = tl.load(pml_ptr + rows * 2 + 1, mask=smask, other=0.0)
         a = tl.load(pacc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=smask[:, None] & dmask[None, :], other=0.0)
         w = tl.exp2(m - m_safe)  # 0 for splits that saw no visible key (m = -inf)
-        den += tl.sum(w * l, 0)
+        den += tl.sum(w * l_sum, 0)
         num += tl.sum(w[:, None] * a, 0)
     out = num / tl.where(den > 0.0, den, 1.0)
     o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + qi * stride_oq + h * stride_oh + offs_d * stride_od

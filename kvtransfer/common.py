@@ -65,7 +65,8 @@ def check_cache(layout: CacheLayout, kv_cache: Any, kv_scale: Any, what: str) ->
     """One layer's cache (and scale) against the layout; any number of blocks."""
     if not isinstance(kv_cache, torch.Tensor) or tuple(kv_cache.shape[1:]) != layout.block_shape:
         shape = getattr(kv_cache, "shape", None)
-        raise ValueError(f"{what}: expected a tensor [num_blocks, {', '.join(map(str, layout.block_shape))}], got {shape}")
+        dims = ", ".join(map(str, layout.block_shape))
+        raise ValueError(f"{what}: expected a tensor [num_blocks, {dims}], got {shape}")
     if kv_cache.dtype != layout.torch_kv_dtype or not kv_cache.is_contiguous():
         raise ValueError(f"{what}: expected a contiguous {layout.kv_cache_dtype} tensor, got {kv_cache.dtype}")
     if layout.is_quantized:

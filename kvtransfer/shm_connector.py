@@ -141,7 +141,8 @@ class ShmReceiver(BaseReceiver):
         handle = _SEGMENTS.get(kv_caches[0].untyped_storage().data_ptr())
         if handle is None:
             raise ValueError("the shm connector needs D's KV caches in shared memory: allocate them with "
-                             "kvtransfer.shm_connector.allocate_shared_kv_caches() or ShmConnector.allocate_kv_caches()")
+                             "kvtransfer.shm_connector.allocate_shared_kv_caches() or "
+                             "ShmConnector.allocate_kv_caches()")
         base = handle.buffer.data_ptr()
         tensors = list(kv_caches) + list(kv_scales or [])
         if any(t.untyped_storage().data_ptr() != base for t in tensors):

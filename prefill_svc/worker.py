@@ -55,10 +55,15 @@ class PrefillWorker:
     def address(self) -> str:
         return self.server.address
 
-    def run(self) -> None:
+    def run(self, until=None) -> None:
+        """Serve until stop(), or until `until()` is true (checked after every iteration)."""
         log.info("prefill worker serving", address=self.address)
-        while not self._stopped:
+        while not self._stopped and not (until is not None and until()):
             self.run_once()
+
+    def idle(self) -> bool:
+        """Nothing in flight: no request scheduled or waiting for its KV handshake."""
+        return not self.engine.has_unfinished_requests() and not self._awaiting
 
     def stop(self) -> None:
         self._stopped = True

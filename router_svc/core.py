@@ -93,10 +93,13 @@ class Router:
         self.affinity_blocks = affinity_blocks
         self.retry_after_s = retry_after_s
         self.migrate = migrate
+        self.draining = False  # shutting down: new requests are refused, those in flight finish
         self.flights: dict[str, Flight] = {}
 
     # ---- 1-3: admission and dispatch --------------------------------------------------------------
     def submit(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> "Stream":
+        if self.draining:
+            raise NoWorkers("the server is shutting down; retry on another replica")
         if len(self.flights) >= self.max_inflight:
             raise Overloaded(f"the server is at its limit of {self.max_inflight} requests in flight; retry later",
                              retry_after_s=self.retry_after_s)
@@ -249,7 +252,7 @@ class Router:
         return True
 
     def describe(self) -> dict[str, Any]:
-        return {"in_flight": len(self.flights), "max_inflight": self.max_inflight}
+        return {"in_flight": len(self.flights), "max_inflight": self.max_inflight, "draining": self.draining}
 
 
 class Stream:

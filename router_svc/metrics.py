@@ -36,11 +36,13 @@ REQUESTS = Counter("tandem_router_requests_total", "Requests that ended, by API,
 IN_FLIGHT = Gauge("tandem_router_requests_in_flight", "Requests admitted and not finished")
 RETRIES = Counter("tandem_router_retries_total", "Requests re-sent to another decode worker after theirs was lost")
 MIGRATIONS = Counter("tandem_router_migrations_total",
-                     "Streams moved mid-way to another decode worker (prompt + tokens sent so far) after theirs was lost")
+                     "Streams moved mid-way to another decode worker (prompt + tokens sent so far) after "
+                     "theirs was lost")
 WORKERS = Gauge("tandem_router_workers", "Live workers known to the router", ["role"])
 WORKERS_LOST = Counter("tandem_router_workers_lost_total", "Workers removed for missing heartbeats", ["role"])
 WORKERS_HUNG = Counter("tandem_router_workers_hung_total",
-                       "Workers declared hung: heartbeating, but no engine-loop progress for the hung timeout", ["role"])
+                       "Workers declared hung: heartbeating, but no engine-loop progress for the hung timeout",
+                       ["role"])
 TTFT = Histogram("tandem_router_time_to_first_token_seconds", "Admission to the first token, as seen by the router",
                  buckets=TIME_BUCKETS)
 ITL = Histogram("tandem_router_inter_token_latency_seconds",
@@ -171,7 +173,8 @@ class WorkerCollector:
 
     def collect(self) -> Iterable[Metric]:
         labels = ["role", "worker"]
-        up = GaugeMetricFamily("tandem_router_worker_up", "1 while the worker is live (heartbeats on time)", labels=labels)
+        up = GaugeMetricFamily("tandem_router_worker_up", "1 while the worker is live (heartbeats on time)",
+                               labels=labels)
         age = GaugeMetricFamily("tandem_router_worker_heartbeat_age_seconds",
                                 "Seconds since the worker's last heartbeat (static workers: last stats reply)",
                                 labels=labels)

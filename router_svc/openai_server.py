@@ -71,9 +71,10 @@ class OpenAIApp:
 
     async def health(self, response: Response) -> None:
         live = {role: len(self.registry.live(role)) for role in ("decode", "prefill")}
-        ok = live["decode"] > 0
+        ok = live["decode"] > 0 and not self.router.draining
+        status = "draining" if self.router.draining else "ok" if ok else "no decode workers"
         await response.json(200 if ok else 503, {
-            "status": "ok" if ok else "no decode workers", "model": self.model.name, "live_workers": live,
+            "status": status, "model": self.model.name, "live_workers": live,
             **self.router.describe(), "workers": self.registry.describe()})
 
     async def generate(self, request: Request, response: Response, chat: bool) -> None:
@@ -145,7 +146,8 @@ def _merge_logprobs(parts: list[Any], chat: bool) -> Any:
         return None
     if chat:
         return {"content": [row for p in parts for row in p["content"]]}
-    return {key: [v for p in parts for v in p[key]] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {key: [v for p in parts for v in p[key]] for key in keys}
 
 
 async def _sse(response: Response, obj: Any) -> None:

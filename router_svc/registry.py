@@ -90,6 +90,14 @@ class Registry:
         kind, wid = msg["type"], msg.get("worker_id")
         if kind == "register":
             return self._register(msg)
+        if kind == "deregister":  # a clean exit (after draining): gone now, not lost
+            worker = self.workers.get(wid) if isinstance(wid, str) else None
+            if worker is None or worker.static:
+                return None, None
+            del self.workers[worker.worker_id]
+            log.info("worker deregistered", worker_id=wid, role=worker.role)
+            self._update_gauges()
+            return None, worker  # anything still routed to it moves on
         if kind == "heartbeat":
             worker = self.workers.get(wid) if isinstance(wid, str) else None
             if worker is None or worker.static:
@@ -169,9 +177,9 @@ class Registry:
         return [w for w in self.workers.values() if w.role == role and w.alive]
 
     def routable(self, role: str) -> list[Worker]:
-        """Live workers for new requests: those whose loop is not stalled, or all live ones if every
-        one is (a slow worker still beats none)."""
-        live = self.live(role)
+        """Live workers for new requests: not draining, and not stalled unless every one is (a slow
+        worker still beats none)."""
+        live = [w for w in self.live(role) if not w.stats.get("draining")]
         return [w for w in live if not w.stalled] or live
 
     def statics(self) -> list[Worker]:

@@ -51,6 +51,7 @@ class RouterConfig:
     static_timeout_s: float = 3.0  # static workers: silent this long = down
     heartbeat_misses: float = 4.0  # registered workers: this many missed 0.5 s intervals = dead (~2 s)
     migrate: bool = True  # a stream whose decode worker is lost continues on another one
+    drain_timeout_s: float = 30.0  # on SIGTERM: refuse new requests, wait this long for those in flight
     hung_timeout_s: float = 60.0  # alive but no engine-loop progress this long = hung, handled like dead
     block_size: int = 16
     affinity_blocks: int = 4
@@ -89,11 +90,13 @@ class RouterService:
             for address in addresses:
                 self.registry.add_static(role, address)
         self.listen = ListenSocket(self.ctx, cfg.listen)
-        self.http = HttpServer(OpenAIApp(self.router, self.registry, self.model), max_connections=4 * cfg.max_inflight + 64)
+        self.http = HttpServer(OpenAIApp(self.router, self.registry, self.model),
+                               max_connections=4 * cfg.max_inflight + 64)
         http_port = await self.http.start(cfg.host, cfg.http_port)
         self.grpc, grpc_port, self.health = await start_grpc(self.router, self.model, cfg.host, cfg.grpc_port)
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self.listen.serve(self._on_registration)), loop.create_task(self._housekeeping())]
+        self._tasks = [loop.create_task(self.listen.serve(self._on_registration)),
+                       loop.create_task(self._housekeeping())]
         shown = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host
         self.endpoints = {"http": f"http://{shown}:{http_port}", "grpc": f"{shown}:{grpc_port}",
                           "listen": self.listen.address}
@@ -145,12 +148,28 @@ class RouterService:
             if tick % poll_every == 0:
                 for worker in self.registry.statics():
                     self.links.try_send(worker.address, "stats")
-            now_serving = bool(self.registry.live("decode"))
+            now_serving = bool(self.registry.live("decode")) and not (self.router is not None and self.router.draining)
             if now_serving != serving:
                 serving = now_serving
                 await set_health(self.health, serving)
             tick += 1
             await asyncio.sleep(self.config.tick_s)
+
+    async def drain(self, signalled: asyncio.Event) -> None:
+        """Refuse new requests (HTTP 503, gRPC UNAVAILABLE, health not serving) and wait for the
+        streams in flight, up to drain_timeout_s or a second signal."""
+        assert self.router is not None
+        if self.config.drain_timeout_s <= 0 or not self.router.flights:
+            return
+        self.router.draining = True
+        await set_health(self.health, False)
+        signalled.clear()
+        log.info("router draining", in_flight=len(self.router.flights), timeout_s=self.config.drain_timeout_s)
+        print(f"tandem router: draining {len(self.router.flights)} requests in flight (at most "
+              f"{self.config.drain_timeout_s:.0f}s; a second signal stops now)", file=sys.stderr, flush=True)
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.router.flights and time.monotonic() < deadline and not signalled.is_set():
+            await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -191,6 +210,7 @@ async def serve(config: RouterConfig, on_ready: Callable[[RouterService], None] 
             pass
     try:
         await stop.wait()
+        await service.drain(stop)
     finally:
         log.info("router stopping")
         await service.stop()

@@ -151,3 +151,27 @@ def grpc_stub(target: str):
     from tandem.protocol import generation_pb2_grpc
 
     return generation_pb2_grpc.GenerationStub(grpc.insecure_channel(target))
+
+
+def stream_completion_text(http: str, prompt: str, max_tokens: int, on_chunk=None) -> tuple[str, str | None]:
+    """Stream one greedy completion (ignore_eos) over SSE: (text, error message or None).
+    `on_chunk(n)` is called after the n-th text chunk arrived (n from 1)."""
+    body = {"model": "tiny-target", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(f"{http}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    text, error, chunks = "", None, 0
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]["message"]
+                continue
+            text += "".join(c["text"] for c in event["choices"])
+            chunks += 1
+            if on_chunk is not None:
+                on_chunk(chunks)
+    return text, error

@@ -52,7 +52,8 @@ class Client:
         self.tokens, self.finished = {}, {}
 
     def add(self, rid, token_ids, peer, sampling=GREEDY):
-        self.sock.send(messages.encode("add_request", id=rid, token_ids=token_ids, sampling=sampling, prefill_peer=peer))
+        self.sock.send(messages.encode("add_request", id=rid, token_ids=token_ids, sampling=sampling,
+                                       prefill_peer=peer))
 
     def collect(self, ids, timeout=120):
         deadline = time.monotonic() + timeout

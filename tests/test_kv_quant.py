@@ -116,7 +116,8 @@ def _run(path: str, kv: str, prompts: list[list[int]], forced: list[list[int]] |
 #   int8:     max logit error 0.024, teacher-forced argmax agreement 1.000, free-running identical 1.000
 #   fp8_e4m3: max logit error 0.165, teacher-forced argmax agreement 0.958, free-running identical 0.688
 # (other seeds/architectures: int8 0.02-0.05 error, 0.83-1.0 identical; fp8 0.15-0.18, 0.4-0.7.)
-# Bounds leave ~2x on the errors and several flips of the 96 steps on the shares. int8 rounds to 1/254 of a row's absmax, fp8 e4m3 to 2^-4 of each
+# Bounds leave ~2x on the errors and several flips of the 96 steps on the shares. int8 rounds to 1/254
+# of a row's absmax, fp8 e4m3 to 2^-4 of each
 # value (3 mantissa bits), so fp8 must be the worse of the two. Free-running share is chaotic on a
 # random model (median top-1/top-2 logit gap ~0.18, the same order as the fp8 error), hence loose.
 BOUNDS = {"int8": dict(max_err=0.06, agree=0.95, same=0.7), "fp8_e4m3": dict(max_err=0.35, agree=0.85, same=0.35)}

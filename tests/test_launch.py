@@ -55,7 +55,8 @@ def test_dry_run_prints_the_exact_commands(capsys):
         assert remote[3 + i] == ["env", f"CUDA_VISIBLE_DEVICES={i}", *python, "decode", "--model",
                                  "/data/models/Llama-3.1-8B-Instruct", "--kv-connector", "zmq", "--listen",
                                  f"tcp://0.0.0.0:{6100 + i}", "--router", "tcp://10.0.0.1:5557", "--worker-id",
-                                 f"10.0.0.3-decode-{i}", "--cpus", f"{i}/2", "--advertise", f"tcp://10.0.0.3:{6100 + i}",
+                                 f"10.0.0.3-decode-{i}", "--cpus", f"{i}/2",
+                                 "--advertise", f"tcp://10.0.0.3:{6100 + i}",
                                  "--kv-listen", f"tcp://10.0.0.3:{6200 + i}", *engine,
                                  "--local-prefill-threshold", "16"]
 

@@ -8,15 +8,23 @@ goes on with no error, and its whole text equals the offline engine's for the sa
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from service_procs import (
+    Proc,
+    get_json,
+    router_endpoints,
+    start_router,
+    step_hook_env,
+    stop_all,
+    stream_completion_text,
+    wait_workers,
+)
 
-from service_procs import Proc, get_json, router_endpoints, start_router, step_hook_env, stop_all, wait_workers
 from tandem.default_model import ASSETS_DIR, TARGET_NAME
 
 pytestmark = pytest.mark.slow
@@ -36,29 +44,18 @@ def start_decode(name: str, router: str, logs: Path) -> Proc:
 def stream_and_kill(http: str, workers: dict[str, Proc]) -> tuple[str, str | None, str]:
     """Stream one greedy completion; after KILL_AFTER_CHUNKS chunks SIGKILL the worker serving it.
     Returns (text, error message or None, the killed worker's name)."""
-    body = {"model": "tiny-target", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    req = urllib.request.Request(f"{http}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    text, error, chunks, killed = "", None, 0, ""
-    with urllib.request.urlopen(req, timeout=120) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                error = event["error"]["message"]
-                continue
-            text += "".join(c["text"] for c in event["choices"])
-            chunks += 1
-            if chunks == KILL_AFTER_CHUNKS:
-                _, health = get_json(f"{http}/health")
-                busy = [w["worker_id"] for w in health["workers"] if w["role"] == "decode" and w["inflight"]]
-                assert len(busy) == 1, health
-                killed = busy[0]
-                workers[killed].popen.kill()
-    return text, error, killed
+    killed: list[str] = []
+
+    def on_chunk(n: int) -> None:
+        if n == KILL_AFTER_CHUNKS:
+            _, health = get_json(f"{http}/health")
+            busy = [w["worker_id"] for w in health["workers"] if w["role"] == "decode" and w["inflight"]]
+            assert len(busy) == 1, health
+            killed.append(busy[0])
+            workers[busy[0]].popen.kill()
+
+    text, error = stream_completion_text(http, PROMPT, MAX_TOKENS, on_chunk)
+    return text, error, killed[0] if killed else ""
 
 
 def metric(http: str, name: str) -> float:

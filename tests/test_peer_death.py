@@ -15,9 +15,17 @@ import time
 from pathlib import Path
 
 import pytest
+from service_procs import (
+    Proc,
+    post,
+    router_endpoints,
+    start_router,
+    step_hook_env,
+    stop_all,
+    wait_workers,
+    worker_stats,
+)
 
-from service_procs import (Proc, post, router_endpoints, start_router, step_hook_env, stop_all, wait_workers,
-                           worker_stats)
 from tandem.default_model import ASSETS_DIR, TARGET_NAME
 
 pytestmark = pytest.mark.slow

@@ -133,7 +133,8 @@ def test_stop_string_inside_an_accepted_run_cuts_tokens_too(llama):
     want = LLM(path, num_kv_blocks=128, max_model_len=256).generate([prompt], params)[0]
     assert want.finish_reason == "stop" and len(want.token_ids) < 48
     for name in ("ngram", "draft_model"):
-        got = LLM(path, num_kv_blocks=128, max_model_len=256, speculator=name, draft_model=draft).generate([prompt], params)[0]
+        spec_llm = LLM(path, num_kv_blocks=128, max_model_len=256, speculator=name, draft_model=draft)
+        got = spec_llm.generate([prompt], params)[0]
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, "stop")
 
 
@@ -211,7 +212,8 @@ def test_dynamic_speculation_switches_off_above_threshold(llama):
     llm = LLM(path, num_kv_blocks=128, max_model_len=256, speculator="ngram", spec_max_batch=2)
     eng = llm.engine
     for i, n in enumerate([8, 10, 30, 40]):  # two finish early, leaving a batch of 2
-        eng.add_request(None, repeating_prompts(seed=9)[0], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        eng.add_request(None, repeating_prompts(seed=9)[0],
+                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     seen_off = seen_on_after = False
     while eng.has_unfinished_requests():
         batch = len(eng.scheduler.running)
@@ -254,7 +256,8 @@ def test_cli_flags_and_builtins():
     args = parser.parse_args(["--speculator", "draft_model", "--num-speculative-tokens", "3",
                               "--draft-model", "/d", "--spec-max-batch", "4"])
     cfg = engine_config_from_args(args, model="/m")
-    assert (cfg.speculator, cfg.num_speculative_tokens, cfg.draft_model, cfg.spec_max_batch) == ("draft_model", 3, "/d", 4)
+    got = (cfg.speculator, cfg.num_speculative_tokens, cfg.draft_model, cfg.spec_max_batch)
+    assert got == ("draft_model", 3, "/d", 4)
     assert set(BUILTIN_SPECULATORS) == {"ngram", "draft_model"}
 
 

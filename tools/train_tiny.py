@@ -247,7 +247,8 @@ def train(name: str, cfg: Cfg, data: torch.Tensor, held: torch.Tensor, a: argpar
         losses.append(loss.item())
         step += 1
         if step % a.log_every == 0 or step == total:
-            msg = f"{name} step {step}/{total} lr {lr_now:.2e} train {sum(losses[-a.log_every:]) / len(losses[-a.log_every:]):.4f}"
+            recent = losses[-a.log_every:]
+            msg = f"{name} step {step}/{total} lr {lr_now:.2e} train {sum(recent) / len(recent):.4f}"
             if step % (a.log_every * 5) == 0 or step == total:
                 msg += f" heldout-probe {eval_loss(model, probe):.4f}"
             log(msg + f" elapsed {time.time() - t0:.0f}s", a.log)

@@ -14,7 +14,8 @@ COMMANDS = ["generate", "chat", "up", "launch", "router", "prefill", "decode", "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="tandem: LLM serving with disaggregated prefill and decode")
+    parser = argparse.ArgumentParser(prog="tandem",
+                                     description="tandem: LLM serving with disaggregated prefill and decode")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"tandem.cli.{name}").register(sub)

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     # without a KV connector this worker is colocated: metrics role "both"
     metrics = setup_worker_observability(args, worker, "decode" if receiver else "both", worker_id(args, "decode"))
     announce("decode", control=worker.address, kv=receiver.address if receiver else None, metrics=metrics)
-    return serve(worker)
+    return serve(worker, args.drain_timeout)
 
 
 def _same_host(address: str) -> str:

@@ -167,7 +167,8 @@ def _check_cpus(hosts: list[dict[str, Any]]) -> None:
         if p["count"] and d["count"] and p["cpus"] and d["cpus"]:
             both = sorted(set(p["cpus"]) & set(d["cpus"]))
             if both:
-                raise ValueError(f"hosts[{i}]: prefill.cpus and decode.cpus overlap on cores {cpus.format_cpuset(both)}")
+                raise ValueError(f"hosts[{i}]: prefill.cpus and decode.cpus overlap on cores "
+                                 f"{cpus.format_cpuset(both)}")
 
 
 def _check_ports(router: dict[str, Any], hosts: list[dict[str, Any]]) -> None:

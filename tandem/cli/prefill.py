@@ -37,4 +37,4 @@ def run(args: argparse.Namespace) -> int:
     worker.registrar = make_registrar(args, "prefill", worker.address, engine.config.model)
     metrics = setup_worker_observability(args, worker, "prefill", worker_id(args, "prefill"))
     announce("prefill", control=worker.address, metrics=metrics)
-    return serve(worker)
+    return serve(worker, args.drain_timeout)

@@ -39,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(its requests retried or failed); a slower worker only gets fewer new requests")
     p.add_argument("--no-migration", dest="migrate", action="store_false",
                    help="end a stream whose decode worker is lost with an error instead of continuing it on another")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let the streams in flight finish (new requests get 503) before exiting")
     p.add_argument("--static-timeout", type=float, default=3.0,
                    help="seconds a static worker may go without answering the router's stats poll")
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (for prefix affinity)")
@@ -65,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
                           prefill_policy=args.prefill_policy, max_inflight=args.max_inflight,
                           static_timeout_s=args.static_timeout, heartbeat_misses=args.heartbeat_misses,
                           hung_timeout_s=args.hung_timeout, migrate=args.migrate,
+                          drain_timeout_s=args.drain_timeout,
                           block_size=args.block_size, affinity_blocks=args.affinity_blocks,
                           metrics_port=args.metrics_port)
     asyncio.run(serve(config))

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL
+STOP_GRACE_S = 40.0  # SIGTERM -> SIGKILL: the services' default drain (30 s) and a margin
 TAIL_LINES = 40  # a dead child's last lines, shown in the error report
 MAX_RESTARTS = 5  # a worker that dies this many times in a row (each run shorter than HEALTHY_RUN_S) stops all
 HEALTHY_RUN_S = 60.0

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 from tandem.cli.engine_args import add_engine_args, add_model_arg, engine_config_from_args, resolve_model
 from tandem.observability.cli import add_observability_args, setup_logging
@@ -17,10 +18,13 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     add_model_arg(p)
     p.add_argument("--listen", default=f"tcp://127.0.0.1:{default_port}",
                    help="ZMQ control address to bind (tcp://HOST:PORT or ipc://PATH; port 0 picks a free one)")
-    p.add_argument("--kv-connector", default="zmq", help="KV transfer connector: zmq | shm | torch_dist (see `tandem plugins`)")
+    p.add_argument("--kv-connector", default="zmq",
+                   help="KV transfer connector: zmq | shm | torch_dist (see `tandem plugins`)")
     p.add_argument("--router", default=None, help="router's ZMQ registration address (register + heartbeat)")
     p.add_argument("--worker-id", default=None, help="name reported to the router (default: role-pid)")
     p.add_argument("--advertise", default=None, help="control address the router should use (default: the bound one)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to finish the requests in flight before exiting (0: stop at once)")
     p.add_argument("--cpus", default=None, metavar="CPUSET|i/n",
                    help="pin this worker to these cores and use one torch thread per core: a cpuset like 0-3,8, "
                         "or i/n for slice i of n of the affinity mask (default: every core the mask allows, "
@@ -73,15 +77,27 @@ def announce(role: str, **addresses: str | None) -> None:
     print(f"tandem-{role}-ready " + json.dumps(info), flush=True)
 
 
-def serve(worker) -> int:
-    """Run until SIGTERM/SIGINT, then close sockets (and shared memory) cleanly."""
-    def _stop(*_):
-        worker.stop()
+def serve(worker, drain_timeout_s: float = 30.0) -> int:
+    """Run until SIGTERM/SIGINT, then drain: heartbeats tell the router to route nothing new here,
+    the requests in flight finish, and the worker deregisters, closes its sockets (and shared
+    memory) and exits 0. After `drain_timeout_s`, or on a second signal, it stops at once (the
+    router migrates what is left)."""
+    deadline: list[float] = []
 
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    def _signal(*_):
+        if deadline or drain_timeout_s <= 0:
+            worker.stop()
+            return
+        deadline.append(time.monotonic() + drain_timeout_s)
+        if worker.registrar is not None:
+            worker.registrar.draining = True
+        print(f"draining: finishing the requests in flight (at most {drain_timeout_s:.0f}s; "
+              "a second signal stops now)", file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGTERM, _signal)
+    signal.signal(signal.SIGINT, _signal)
     try:
-        worker.run()
+        worker.run(until=lambda: bool(deadline) and (worker.idle() or time.monotonic() > deadline[0]))
     finally:
         if worker.registrar is not None:
             worker.registrar.close()  # stop the liveness thread before the sockets go

@@ -134,7 +134,8 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model accepts at most "
-                             f"{self.max_model_len - 1} (max_model_len={self.max_model_len}, one token is left to generate)")
+                             f"{self.max_model_len - 1} (max_model_len={self.max_model_len}, one token is left to "
+                             "generate)")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")

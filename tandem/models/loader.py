@@ -32,7 +32,8 @@ def safetensors_files(path: str) -> list[str]:
         files = [os.path.join(path, "model.safetensors")]
     missing = [f for f in files if not os.path.isfile(f)]
     if missing:
-        raise ValueError(f"checkpoint {path!r} is missing weight file(s): {', '.join(os.path.basename(m) for m in missing)}")
+        names = ", ".join(os.path.basename(m) for m in missing)
+        raise ValueError(f"checkpoint {path!r} is missing weight file(s): {names}")
     return files
 
 

@@ -15,7 +15,7 @@ the request came from (P answers D's own DEALER socket).
 | prefill_failed  | P -> D              |
 | stats / stats_reply | any -> worker -> sender |
 | trace / trace_reply | any -> worker -> sender |
-| register / heartbeat | worker -> router (an unknown worker_id is answered with `error`) |
+| register / heartbeat / deregister | worker -> router (an unknown worker_id is answered with `error`) |
 
 A prefill worker's first token travels with the KV it computed (the transfer's `done`,
 kvtransfer/wire.py), not as a control message.
@@ -114,11 +114,16 @@ class Register:
 @message("heartbeat")
 class Heartbeat:
     worker_id: Id
-    stats: Map  # the worker's stats, plus loop_age_s and loops (progress)
+    stats: Map  # the worker's stats, plus loop_age_s and loops (progress) and draining
+
+
+@message("deregister")
+class Deregister:
+    worker_id: Id
 
 
 CONTROL = frozenset({"add_request", "abort", "output", "error", "prefill", "prefill_failed", "stats", "stats_reply",
-                     "trace", "trace_reply", "register", "heartbeat"})
+                     "trace", "trace_reply", "register", "heartbeat", "deregister"})
 
 
 def encode(msg_type: str, **fields: Any) -> bytes:

@@ -13,7 +13,9 @@ Alive, busy and hung are three different things, so they travel separately:
   and only one above its hung timeout as a hung worker.
 
 The first heartbeat (and any after the router said it does not know us, e.g. because the router
-restarted) is preceded by `register(worker_id, role, control_address, model, interval_ms)`.
+restarted) is preceded by `register(worker_id, role, control_address, model, interval_ms)`. A
+draining worker says so in its heartbeats (`draining`: the router routes nothing new to it), and a
+worker that closes cleanly sends `deregister(worker_id)`: it leaves at once, not counted as lost.
 `control_address` may be set after construction (a worker that binds `tcp://host:0` learns its port
 only after binding); the thread starts on the loop's first tick, when it is known.
 """
@@ -52,6 +54,7 @@ class Registrar:
         self.model = model
         self.interval_s = interval_s
         self.heartbeats_sent = 0
+        self.draining = False  # set on SIGTERM: heartbeats tell the router to route nothing new here
         # Written by the engine loop, read by the liveness thread: single reference assignments.
         self._snapshot: dict[str, Any] = {}
         self._last_loop = time.monotonic()
@@ -100,10 +103,13 @@ class Registrar:
                         log.info("registering with router", router=self.router_address, worker_id=self.worker_id,
                                  role=self.role, address=self.control_address)
                 stats = {**self._snapshot, "loop_age_s": round(time.monotonic() - self._last_loop, 3),
-                         "loops": self._loops}
+                         "loops": self._loops, "draining": self.draining}
                 if self._send(sock, "heartbeat", worker_id=self.worker_id, stats=stats):
                     self.heartbeats_sent += 1
                 if self._stop.wait(self.interval_s):
+                    if registered:
+                        self._send(sock, "deregister", worker_id=self.worker_id)
+                        sock.setsockopt(zmq.LINGER, 500)  # let it go out before the socket closes
                     return
         except zmq.ContextTerminated:
             return

@@ -1,0 +1,116 @@
+"""Graceful drain on SIGTERM (real router and decode workers on loopback, the shipped model).
+
+- A decode worker that gets SIGTERM mid-stream finishes the stream, takes no new request (the router
+  sends it elsewhere), deregisters (gone from the registry at once, not counted as lost) and exits 0.
+- A router that gets SIGTERM answers new requests with 503, lets the stream in flight finish, and
+  exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from service_procs import (
+    Proc,
+    get_json,
+    post,
+    router_endpoints,
+    start_router,
+    step_hook_env,
+    stop_all,
+    stream_completion_text,
+    wait_workers,
+)
+
+from tandem.default_model import ASSETS_DIR, TARGET_NAME
+
+pytestmark = pytest.mark.slow
+TARGET_DIR = ASSETS_DIR / TARGET_NAME
+PROMPT = "import os\nimport sys\n\n\ndef main():\n"
+MAX_TOKENS = 100
+
+
+def start_decode(name: str, router: str, logs: Path) -> Proc:
+    return Proc(name, [sys.executable, "-m", "tandem.cli", "decode", "--model", str(TARGET_DIR), "--kv-connector",
+                       "none", "--listen", "tcp://127.0.0.1:0", "--router", router, "--worker-id", name,
+                       "--num-kv-blocks", "256"], logs, step_hook_env(logs / f"hook-{name}", delay=0.02))
+
+
+def metric(http: str, name: str) -> float:
+    with urllib.request.urlopen(f"{http}/metrics", timeout=10) as r:
+        lines = [line for line in r.read().decode().splitlines() if line.startswith(name + " ")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+@pytest.fixture(scope="module")
+def expected() -> str:
+    from tandem import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return LLM(str(TARGET_DIR)).generate([PROMPT], params)[0].text
+
+
+def test_sigterm_drains_a_decode_worker(tmp_path, expected):
+    router = start_router("router", str(TARGET_DIR), tmp_path)
+    procs = [router]
+    try:
+        ep = router_endpoints(router)
+        workers = {name: start_decode(name, ep["listen"], tmp_path) for name in ("d1", "d2")}
+        procs += workers.values()
+        wait_workers(ep["http"], decode=2)
+        terminated: list[str] = []
+
+        def on_chunk(n: int) -> None:
+            if n == 10:
+                _, health = get_json(f"{ep['http']}/health")
+                busy = [w["worker_id"] for w in health["workers"] if w["role"] == "decode" and w["inflight"]]
+                terminated.append(busy[0])
+                workers[busy[0]].popen.send_signal(signal.SIGTERM)
+
+        text, error = stream_completion_text(ep["http"], PROMPT, MAX_TOKENS, on_chunk)
+        assert error is None and text == expected  # finished where it started: no migration needed
+        assert metric(ep["http"], "tandem_router_migrations_total") == 0
+        draining = workers[terminated[0]]
+        assert draining.popen.wait(30) == 0
+        time.sleep(0.3)
+        _, health = get_json(f"{ep['http']}/health")
+        assert [w["worker_id"] for w in health["workers"]] == [n for n in workers if n != terminated[0]]
+        assert metric(ep["http"], "tandem_router_workers_lost_total") == 0  # it left; it was not lost
+        assert "draining: finishing the requests in flight" in draining.log.read_text()
+    finally:
+        stop_all(procs)
+
+
+def test_sigterm_drains_the_router(tmp_path, expected):
+    router = start_router("router", str(TARGET_DIR), tmp_path)
+    procs = [router]
+    try:
+        ep = router_endpoints(router)
+        procs.append(start_decode("d1", ep["listen"], tmp_path))
+        wait_workers(ep["http"], decode=1)
+        refused: list[int] = []
+
+        def on_chunk(n: int) -> None:
+            if n == 10:
+                router.popen.send_signal(signal.SIGTERM)
+                time.sleep(0.3)
+                status, _, body = post(f"{ep['http']}/v1/completions", {"model": "tiny-target", "prompt": "x"})
+                refused.append(status)
+
+        result: dict = {}
+        t = threading.Thread(target=lambda: result.update(
+            r=stream_completion_text(ep["http"], PROMPT, MAX_TOKENS, on_chunk)))
+        t.start()
+        t.join(60)
+        text, error = result["r"]
+        assert error is None and text == expected
+        assert refused == [503]
+        assert router.popen.wait(30) == 0
+    finally:
+        stop_all(procs)
