@@ -20,6 +20,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from router_svc import metrics
+from router_svc.auth import key_matches
 from router_svc.core import Chunk, Router
 from router_svc.errors import BadRequest, Overloaded, RouterError
 from router_svc.openai_api import SAMPLING_NAMES
@@ -76,9 +77,10 @@ def response_from_chunk(rid: str, chunk: Chunk, totals: list[int]) -> pb.Generat
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, router: Router, model: ServedModel) -> None:
+    def __init__(self, router: Router, model: ServedModel, api_key: str | None = None) -> None:
         self.router = router
         self.model = model
+        self.api_key = api_key  # Generate needs `authorization: Bearer <key>` metadata; health stays open
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
@@ -86,6 +88,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         ended_by: BaseException | None = None
         rid = request.request_id or f"req-{uuid.uuid4().hex}"  # bound for all lines
         bind_request(rid)  # grpc.aio runs each RPC in its own task: the binding ends with it
+        if self.api_key:
+            metadata = dict(context.invocation_metadata() or ())
+            if not key_matches(str(metadata.get("authorization", "")), self.api_key):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                    "missing or wrong API key: send metadata 'authorization: Bearer <key>'")
         try:
             self.model.check_model(request.model)
             ids = prompt_from_proto(request, self.model)
@@ -110,11 +117,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             metrics.request_ended("grpc", ended_by, stream, rid)
 
 
-async def start_grpc(router: Router, model: ServedModel, host: str, port: int
+async def start_grpc(router: Router, model: ServedModel, host: str, port: int, api_key: str | None = None
                      ) -> tuple[grpc.aio.Server, int, HealthServicer]:
     """Build, bind and start the gRPC server; returns it, its port and the health servicer."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(router, model), server)
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(router, model, api_key), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)

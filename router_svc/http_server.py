@@ -23,9 +23,9 @@ log = structlog.get_logger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024
 DISCONNECT_POLL_S = 0.1
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 411: "Length Required",
-            413: "Payload Too Large", 429: "Too Many Requests", 431: "Request Header Fields Too Large",
-            500: "Internal Server Error", 503: "Service Unavailable"}
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+            411: "Length Required", 413: "Payload Too Large", 429: "Too Many Requests",
+            431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
 
 
 @dataclass(slots=True)

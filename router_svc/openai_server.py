@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router_svc import metrics
+from router_svc.auth import key_matches
 from router_svc.core import Router
 from router_svc.errors import BadRequest, Overloaded, RouterError
 from router_svc.http_server import Request, Response
@@ -35,13 +36,20 @@ from tandem.observability.logging import bind_request
 
 
 class OpenAIApp:
-    def __init__(self, router: Router, registry: Registry, model: ServedModel) -> None:
+    def __init__(self, router: Router, registry: Registry, model: ServedModel, api_key: str | None = None) -> None:
         self.router = router
         self.registry = registry
+        self.api_key = api_key  # /v1/* need `Authorization: Bearer <key>`; /health and /metrics stay open
         self.model = model
 
     async def __call__(self, request: Request, response: Response) -> None:
         route = (request.method, request.path.rstrip("/") or "/")
+        if self.api_key and request.path.startswith("/v1") and not key_matches(
+                request.headers.get("authorization", ""), self.api_key):
+            await response.json(401, {"error": {"message": "missing or wrong API key: send 'Authorization: Bearer "
+                                                           "<key>'", "type": "invalid_request_error",
+                                                "param": None, "code": "invalid_api_key"}})
+            return
         if route == ("POST", "/v1/completions"):
             await self.generate(request, response, chat=False)
         elif route == ("POST", "/v1/chat/completions"):

@@ -52,6 +52,7 @@ class RouterConfig:
     heartbeat_misses: float = 4.0  # registered workers: this many missed 0.5 s intervals = dead (~2 s)
     migrate: bool = True  # a stream whose decode worker is lost continues on another one
     drain_timeout_s: float = 30.0  # on SIGTERM: refuse new requests, wait this long for those in flight
+    api_key: str | None = None  # required on /v1/* (Bearer) and gRPC Generate when set
     hung_timeout_s: float = 60.0  # alive but no engine-loop progress this long = hung, handled like dead
     block_size: int = 16
     affinity_blocks: int = 4
@@ -90,10 +91,11 @@ class RouterService:
             for address in addresses:
                 self.registry.add_static(role, address)
         self.listen = ListenSocket(self.ctx, cfg.listen)
-        self.http = HttpServer(OpenAIApp(self.router, self.registry, self.model),
+        self.http = HttpServer(OpenAIApp(self.router, self.registry, self.model, cfg.api_key),
                                max_connections=4 * cfg.max_inflight + 64)
         http_port = await self.http.start(cfg.host, cfg.http_port)
-        self.grpc, grpc_port, self.health = await start_grpc(self.router, self.model, cfg.host, cfg.grpc_port)
+        self.grpc, grpc_port, self.health = await start_grpc(self.router, self.model, cfg.host, cfg.grpc_port,
+                                                             cfg.api_key)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.listen.serve(self._on_registration)),
                        loop.create_task(self._housekeeping())]

@@ -5,6 +5,7 @@ workers (which pull prompts' KV from prefill workers). Workers register themselv
 from __future__ import annotations
 
 import argparse
+import os
 
 from tandem.cli.engine_args import add_model_arg, resolve_model
 from tandem.observability.cli import add_observability_args, setup_logging
@@ -41,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="end a stream whose decode worker is lost with an error instead of continuing it on another")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to let the streams in flight finish (new requests get 503) before exiting")
+    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
+                   help="require this key on the OpenAI API (Authorization: Bearer KEY) and gRPC Generate "
+                        "(metadata authorization: Bearer KEY); default $TANDEM_API_KEY. /health and /metrics stay open")
     p.add_argument("--static-timeout", type=float, default=3.0,
                    help="seconds a static worker may go without answering the router's stats poll")
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (for prefix affinity)")
@@ -67,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
                           prefill_policy=args.prefill_policy, max_inflight=args.max_inflight,
                           static_timeout_s=args.static_timeout, heartbeat_misses=args.heartbeat_misses,
                           hung_timeout_s=args.hung_timeout, migrate=args.migrate,
-                          drain_timeout_s=args.drain_timeout,
+                          drain_timeout_s=args.drain_timeout, api_key=args.api_key or None,
                           block_size=args.block_size, affinity_blocks=args.affinity_blocks,
                           metrics_port=args.metrics_port)
     asyncio.run(serve(config))
