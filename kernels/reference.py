@@ -175,8 +175,11 @@ def prefill_attention(
                                     pv[:prefix].transpose(0, 1), k.to(query.dtype).transpose(0, 1),
                                     v.to(query.dtype).transpose(0, 1), scale)
         else:
-            o = F.scaled_dot_product_attention(query[s:e].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                               scale=scale, is_causal=True, enable_gqa=h != k.shape[1])
+            # 4-D on purpose: given [H, L, D] SDPA takes its math path on CPU (materialised scores,
+            # ~4.7x slower for a 1900-token prompt), given [1, H, L, D] its flash kernel.
+            o = F.scaled_dot_product_attention(query[s:e].transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               v.transpose(0, 1)[None], scale=scale, is_causal=True,
+                                               enable_gqa=h != k.shape[1])[0]
         out[s:e] = o.transpose(0, 1)
     return out
 
