@@ -19,6 +19,7 @@ releases held blocks.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -62,6 +63,7 @@ class DecodeKVConnector(KVConnector):
         self.trace = trace or (lambda *a: None)
         self.transfers: dict[str, _Transfer] = {}
         self.stats = DecodeKVStats()
+        self.instance = uuid.uuid4().hex  # P handshakes again with a receiver restarted at the same address
 
     @property
     def address(self) -> str:
@@ -87,7 +89,8 @@ class DecodeKVConnector(KVConnector):
         self.trace(rid, "prefill_sent_ns")
         try:
             self.send_to_peer(peer, "prefill", id=rid, token_ids=req.prompt_token_ids, sampling=req.params.to_dict(),
-                              send_from=num_computed, dest=self.receiver.address, dest_block_ids=dest)
+                              send_from=num_computed, dest=self.receiver.address, dest_block_ids=dest,
+                              dest_instance=self.instance)
         except ConnectionError as exc:
             self.peer_failed(rid, str(exc))
 

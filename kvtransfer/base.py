@@ -187,6 +187,10 @@ class KVSender(ABC):
         """Handshake (idempotent); HandshakeError names the mismatched field or the silence."""
 
     @abstractmethod
+    def disconnect(self, address: str) -> None:
+        """Forget a receiver that restarted at the same address; the next connect() handshakes anew."""
+
+    @abstractmethod
     def send_layer(
         self,
         address: str,

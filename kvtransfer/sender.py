@@ -215,6 +215,17 @@ class BaseSender(SenderIO, KVSender):
             elif req is not None:
                 self._command("cancel", req.address, request_id)
 
+    def disconnect(self, address: str) -> None:
+        """Forget a receiver (it restarted at the same address): the next connect() handshakes anew.
+        Transfers still in flight to it fail."""
+        with self._lock:
+            conn = self._connected.pop(address, None)
+        if conn is not None:
+            self._close_state(conn.state)
+            if conn.data is not None:
+                conn.data.close(linger=0)
+            self._command("forget", address)
+
     def close(self) -> None:
         if self._closed:
             return

@@ -40,7 +40,8 @@ class PrefillWorker:
         self.server = ControlServer(self.ctx, listen)
         self.sender = sender
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-handshake")
-        self._handshakes: dict[str, Future] = {}  # destination -> connect() (idempotent once it succeeded)
+        # destination -> (its receiver instance, connect()); connect() is idempotent once it succeeded
+        self._handshakes: dict[str, tuple[str | None, Future]] = {}
         self._awaiting: dict[str, tuple[bytes, dict, Future]] = {}  # request id -> waiting for its handshake
         self.traces = Traces()
         self._trace = self.traces.record
@@ -111,9 +112,15 @@ class PrefillWorker:
         if len(self._awaiting) >= 1024:  # bounded: a flood of prefills to dead peers cannot grow memory
             self.server.reply(identity, "prefill_failed", id=msg["id"], message="too many pending KV handshakes")
             return
-        fut = self._handshakes.get(dest)
+        instance = msg.get("dest_instance")
+        known, fut = self._handshakes.get(dest, (None, None))
+        if fut is not None and known != instance and fut.done():  # D restarted at the same address
+            log.info("decode worker restarted: handshaking again", dest=dest)
+            self.sender.disconnect(dest)
+            fut = None
         if fut is None or (fut.done() and fut.exception() is not None):
-            fut = self._handshakes[dest] = self._pool.submit(self.sender.connect, dest)
+            fut = self._pool.submit(self.sender.connect, dest)
+            self._handshakes[dest] = (instance, fut)
         self._awaiting[msg["id"]] = (identity, msg, fut)
 
     def _admit_handshaken(self) -> None:

@@ -10,8 +10,8 @@ import urllib.request
 import grpc
 import openai
 import pytest
-
 from service_procs import get_json, grpc_stub, router_endpoints, start_router, stop_all
+
 from tandem.default_model import ASSETS_DIR, TARGET_NAME
 
 pytestmark = pytest.mark.slow

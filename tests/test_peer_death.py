@@ -85,3 +85,40 @@ def test_decode_worker_outlives_its_prefill_peer(tmp_path, expected, fate):
             assert elapsed < 8, f"took {elapsed:.1f}s: the dead peer was noticed late"
     finally:
         stop_all(procs)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_prefill_worker_handshakes_again_with_a_restarted_decode_worker(tmp_path, expected):
+    """D restarted at the same control and KV addresses: P's old handshake is stale, P notices the
+    new receiver instance and handshakes again, so the prompt still comes from P (no fallback)."""
+    router = start_router("router", str(TARGET_DIR), tmp_path)
+    procs = [router]
+    try:
+        ep = router_endpoints(router)
+        procs.append(start("prefill", "p", ep["listen"], tmp_path))
+        control, kv = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+        body = {"model": "tiny-target", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+        for life in range(2):
+            decode = Proc(f"d{life}", [sys.executable, "-m", "tandem.cli", "decode", "--model", str(TARGET_DIR),
+                                       "--listen", control, "--kv-listen", kv, "--router", ep["listen"],
+                                       "--worker-id", "d", "--num-kv-blocks", "256", "--kv-connector", "zmq",
+                                       "--local-prefill-threshold", "0"], tmp_path)
+            procs.append(decode)
+            wait_workers(ep["http"], decode=1, prefill=1)
+            status, _, out = post(f"{ep['http']}/v1/completions", {**body, "prompt": f"# {life}\n{PROMPT}"})
+            assert status == 200, out
+            stats = worker_stats(control)
+            assert (stats["remote_prefills"], stats["fallbacks"]) == (1, 0), stats
+            if life == 0:
+                decode.popen.kill()
+                decode.popen.wait()
+                wait_workers(ep["http"], decode=0, prefill=1)
+    finally:
+        stop_all(procs)

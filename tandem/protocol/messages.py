@@ -73,6 +73,7 @@ class Prefill:
     send_from: Count  # tokens D already holds (a block multiple)
     dest: Id  # D's KV receiver address
     dest_block_ids: Ints
+    dest_instance: Id | None = None  # D's receiver instance: a new one at the same address means "handshake again"
 
 
 @message("prefill_failed")
