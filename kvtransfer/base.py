@@ -83,6 +83,11 @@ class CacheLayout:
     def scale_block_nbytes(self) -> int:
         return 2 * self.block_size * self.num_kv_heads * 4 if self.is_quantized else 0
 
+    @property
+    def bytes_per_block(self) -> int:
+        """One block across every layer, scales included: what a KV memory budget is divided by."""
+        return self.num_layers * (self.block_nbytes + self.scale_block_nbytes)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -135,6 +140,22 @@ class TransferFailed:
 
 
 TransferEvent = Union[LayerReceived, TransferDone, TransferFailed]
+
+
+def allocate_kv_caches(layout: CacheLayout, num_blocks: int, device: torch.device | str = "cpu"
+                       ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """The engine's KV memory in plain memory: one `[num_blocks, 2, block_size, kv_heads, head_dim]`
+    tensor per layer and, for a quantized layout, one float32 `[num_blocks, 2, block_size, kv_heads]`
+    scale tensor per layer. A transport that wants it elsewhere (shm) has its own allocator."""
+    if num_blocks <= 0:
+        raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+    caches = [torch.zeros((num_blocks, *layout.block_shape), dtype=layout.torch_kv_dtype, device=device)
+              for _ in range(layout.num_layers)]
+    scales = None
+    if layout.is_quantized:
+        scales = [torch.zeros((num_blocks, *layout.scale_block_shape), dtype=torch.float32, device=device)
+                  for _ in range(layout.num_layers)]
+    return caches, scales
 
 
 @dataclass(slots=True)
@@ -260,19 +281,7 @@ class KVConnector(ABC):
         self, layout: CacheLayout, num_blocks: int, device: torch.device | str = "cpu"
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """D's caches in the memory this connector wants (shm: shared memory); default plain zeros."""
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
-        caches = [
-            torch.zeros((num_blocks, *layout.block_shape), dtype=layout.torch_kv_dtype, device=device)
-            for _ in range(layout.num_layers)
-        ]
-        scales = None
-        if layout.is_quantized:
-            scales = [
-                torch.zeros((num_blocks, *layout.scale_block_shape), dtype=torch.float32, device=device)
-                for _ in range(layout.num_layers)
-            ]
-        return caches, scales
+        return allocate_kv_caches(layout, num_blocks, device)
 
     def free_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Give back what allocate_kv_caches reserved outside the process (shm: the /dev/shm file);

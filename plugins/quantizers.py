@@ -1,19 +1,18 @@
 """Built-in KV-cache quantizers (`--kv-cache-dtype auto|fp8_e4m3|int8`): 1-byte storage formats with
 an absmax scale per token and KV head, plus `none` (alias `auto`, the model's dtype).
 
-The interface — what a format must answer so the engine can size and allocate the cache and a KV
-connector can move it — is `tandem.engine.interfaces.kv_quantizer.KVQuantizer`; its names are
-re-exported here under their old `plugins.quantizers.*` names for existing code and plugins.
+The interface — what a format must answer (its cache dtype, whether it keeps scales) — is
+`tandem.engine.interfaces.kv_quantizer.KVQuantizer`; its names are re-exported here under their old
+`plugins.quantizers.*` names for existing code and plugins.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tandem.engine.interfaces.kv_quantizer import SCALE_DTYPE, KVLayout, KVQuantizer, NoQuantizer, TransferTensor
+from tandem.engine.interfaces.kv_quantizer import SCALE_DTYPE, KVQuantizer, NoQuantizer
 
-__all__ = ["BUILTIN_QUANTIZERS", "FP8E4M3Quantizer", "Int8Quantizer", "KVLayout", "KVQuantizer", "NoQuantizer",
-           "SCALE_DTYPE", "TransferTensor"]
+__all__ = ["BUILTIN_QUANTIZERS", "FP8E4M3Quantizer", "Int8Quantizer", "KVQuantizer", "NoQuantizer", "SCALE_DTYPE"]
 
 
 class FP8E4M3Quantizer(KVQuantizer):

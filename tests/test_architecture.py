@@ -100,15 +100,14 @@ def test_lazy_connectors_table():
 def test_old_plugin_names_still_work():
     """Moved interfaces stay importable under their plugins.* names (third-party plugins use them)."""
     from plugins.eviction import EvictionPolicy
-    from plugins.quantizers import KVLayout, KVQuantizer, NoQuantizer
+    from plugins.quantizers import KVQuantizer, NoQuantizer
     from plugins.routing import RouteRequest, RoutingPolicy, prefix_key
     from plugins.speculators import Speculator, SpeculatorContext
     from tandem.engine.interfaces import eviction, kv_quantizer, routing, speculator
 
     assert EvictionPolicy is eviction.EvictionPolicy and Speculator is speculator.Speculator
     assert SpeculatorContext is speculator.SpeculatorContext and RoutingPolicy is routing.RoutingPolicy
-    assert (KVLayout, KVQuantizer, NoQuantizer) == (kv_quantizer.KVLayout, kv_quantizer.KVQuantizer,
-                                                    kv_quantizer.NoQuantizer)
+    assert (KVQuantizer, NoQuantizer) == (kv_quantizer.KVQuantizer, kv_quantizer.NoQuantizer)
     assert RouteRequest is routing.RouteRequest and prefix_key is routing.prefix_key
 
 

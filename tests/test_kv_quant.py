@@ -19,7 +19,7 @@ import pytest
 import torch
 from tiny_models import hf_greedy, make_checkpoint
 
-from plugins.quantizers import KVLayout
+from kvtransfer import CacheLayout
 from plugins.registry import resolve_quantizer
 from tandem import LLM, SamplingParams
 from tandem.config import EngineConfig
@@ -35,16 +35,20 @@ def llama(tmp_path_factory):
     return make_checkpoint(str(tmp_path_factory.mktemp("llama")), "llama")
 
 
-def test_bytes_per_block_and_transfer_layout():
-    layout = KVLayout(block_size=16, num_kv_heads=8, head_dim=128, model_dtype=torch.bfloat16)
-    values = 2 * 16 * 8 * 128  # K and V of one block, one layer
-    assert resolve_quantizer("auto").bytes_per_block(layout, 32) == 32 * values * 2
-    for name, dtype in (("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn)):
+def test_bytes_per_block_and_layout():
+    """One layout type: the quantizer's dtype and scales, as the CacheLayout the engine sizes with."""
+    def layout(name: str) -> CacheLayout:
         q = resolve_quantizer(name)
-        kv, scale = q.transfer_layout(layout)
-        assert (kv.name, kv.block_shape, kv.dtype) == ("kv", (2, 16, 8, 128), dtype)
-        assert (scale.name, scale.block_shape, scale.dtype) == ("kv_scale", (2, 16, 8), torch.float32)
-        assert q.bytes_per_block(layout, 32) == 32 * (values + 2 * 16 * 8 * 4)
+        dtype = str(q.cache_dtype(torch.bfloat16)).removeprefix("torch.")
+        return CacheLayout("m", "bfloat16", dtype, block_size=16, num_layers=32, num_kv_heads=8, head_dim=128)
+
+    values = 2 * 16 * 8 * 128  # K and V of one block, one layer
+    assert layout("auto").bytes_per_block == 32 * values * 2 and not layout("auto").is_quantized
+    for name, dtype in (("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn)):
+        lay = layout(name)
+        assert lay.is_quantized == resolve_quantizer(name).has_scales
+        assert (lay.block_shape, lay.torch_kv_dtype, lay.scale_block_shape) == ((2, 16, 8, 128), dtype, (2, 16, 8))
+        assert lay.bytes_per_block == 32 * (values + 2 * 16 * 8 * 4)
     with pytest.raises(ValueError, match="available: fp8_e4m3, int8, none"):
         resolve_quantizer("int4")
 
@@ -70,7 +74,7 @@ def test_same_memory_holds_2x_blocks_vs_bf16_and_4x_vs_fp32(wide_heads):
     for dtype in ("bfloat16", "float32"):
         for kv in ("auto", "int8", "fp8_e4m3"):
             e = _engine(wide_heads, dtype=dtype, kv_cache_dtype=kv)
-            per_block = e.runner.bytes_per_block()
+            per_block = e.kv_layout.bytes_per_block
             # The allocation is the budget to within one block: scales are counted, nothing else is.
             assert budget - per_block < _allocated_bytes(e) <= budget, (dtype, kv)
             assert (e.runner.kv_scales is None) == (kv == "auto")

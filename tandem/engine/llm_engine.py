@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvtransfer.base import allocate_kv_caches
 from tandem.config import EngineConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_connector import KVConnector
@@ -52,18 +53,17 @@ class LLMEngine:
                                   config.block_size, config.seed,
                                   # --kv-cache-dtype: sizes the blocks below and allocates scales
                                   kv_quantizer=resolve_quantizer(config.kv_cache_dtype))
-        num_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * 2**30 // self.runner.bytes_per_block())
+        self.kv_layout = cache_layout(config, model_cfg, self.runner.kv_quantizer)
+        budget = int(config.kv_cache_memory_gb * 2**30)
+        num_blocks = config.num_kv_blocks or budget // self.kv_layout.bytes_per_block
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one "
                              f"max_model_len={self.max_model_len} sequence; raise kv_cache_memory_gb / "
                              f"num_kv_blocks or lower max_model_len")
         self.num_kv_blocks = num_blocks
-        self.kv_layout = cache_layout(config, model_cfg, self.runner.kv_quantizer)
-        if kv_allocator is None:
-            self.runner.allocate_kv_cache(num_blocks)
-        else:
-            self.runner.kv_caches, self.runner.kv_scales = kv_allocator(self.kv_layout, num_blocks,
-                                                                         config.torch_device)
+        # Allocated once, here, where the transport wants it (shm) or in plain memory.
+        allocate = kv_allocator or allocate_kv_caches
+        self.runner.kv_caches, self.runner.kv_scales = allocate(self.kv_layout, num_blocks, config.torch_device)
         self.kv = KVCacheManager(num_blocks, config.block_size, resolve_eviction(config.eviction, num_blocks),
                                  config.enable_prefix_caching)
         batched = config.max_num_batched_tokens

@@ -15,7 +15,7 @@ import torch
 
 from kernels import get_ops
 from tandem.engine import sampler, spec_decode
-from tandem.engine.interfaces.kv_quantizer import KVLayout, KVQuantizer, NoQuantizer
+from tandem.engine.interfaces.kv_quantizer import KVQuantizer, NoQuantizer
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.layers.attention import AttentionMetadata
 from tandem.models.loader import load_model
@@ -47,24 +47,6 @@ class ModelRunner:
         # each step (absent = deterministic proposal); `_sample` verifies and counts.
         self.draft_probs: dict[str, torch.Tensor] = {}
         self.spec_stats = spec_decode.SpecStats()
-
-    # ---- cache -------------------------------------------------------------------------------
-    def kv_layout(self) -> KVLayout:
-        c = self.config
-        return KVLayout(self.block_size, c.num_kv_heads, c.head_dim, self.dtype)
-
-    def bytes_per_block(self) -> int:
-        """True bytes of one block over all layers, quantization scales included: what the cache
-        memory budget is divided by (so an 8-bit cache holds ~2x the blocks of a 16-bit one)."""
-        return self.kv_quantizer.bytes_per_block(self.kv_layout(), self.config.num_layers)
-
-    def allocate_kv_cache(self, num_blocks: int, allocator: Callable[..., torch.Tensor] | None = None) -> None:
-        """One [num_blocks, 2, block_size, kv_heads, head_dim] tensor per layer in the quantizer's dtype
-        and, for a quantized cache, one [num_blocks, 2, block_size, kv_heads] float32 scale tensor per
-        layer (`kv_scales`). `allocator(shape, dtype)` lets a KV connector place them (e.g. in shared memory)."""
-        alloc = allocator or (lambda s, d: torch.zeros(s, dtype=d, device=self.device))
-        self.kv_caches, self.kv_scales = self.kv_quantizer.allocate(self.kv_layout(), self.config.num_layers,
-                                                                    num_blocks, alloc)
 
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()

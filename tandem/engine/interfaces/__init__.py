@@ -2,7 +2,7 @@
 on these, and the implementations (plugins/ and third-party packages) import them from here.
 
 - eviction.py      EvictionPolicy: which free cached KV block is reused first
-- kv_quantizer.py  KVQuantizer (+ KVLayout, TransferTensor, NoQuantizer): the KV cache's storage format
+- kv_quantizer.py  KVQuantizer (+ NoQuantizer): the KV cache's storage format (dtype, scales)
 - speculator.py    Speculator, SpeculatorContext: speculative-decoding proposers
 - routing.py       RoutingPolicy, RouteRequest, WorkerView: the router's worker choice (torch-free)
 
