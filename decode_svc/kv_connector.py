@@ -52,7 +52,8 @@ class DecodeKVStats:
 class DecodeKVConnector(KVConnector):
     def __init__(self, receiver: KVReceiver, send_to_peer: Callable[..., None], block_size: int,
                  local_prefill_threshold: int = 0, timeout_s: float = 30.0,
-                 trace: Callable[..., None] | None = None) -> None:
+                 trace: Callable[..., None] | None = None,
+                 on_remote_start: Callable[[Request], None] | None = None) -> None:
         """`send_to_peer(peer, msg_type, **fields)` raises ConnectionError when P cannot be reached;
         `trace(request_id, event, t_ns=None)` records lifecycle stamps (`*_ns` events)."""
         self.receiver = receiver
@@ -61,6 +62,7 @@ class DecodeKVConnector(KVConnector):
         self.local_prefill_threshold = local_prefill_threshold
         self.timeout_s = timeout_s
         self.trace = trace or (lambda *a: None)
+        self.on_remote_start = on_remote_start or (lambda req: None)  # its queue time ends here
         self.transfers: dict[str, _Transfer] = {}
         self.stats = DecodeKVStats()
         self.instance = uuid.uuid4().hex  # P handshakes again with a receiver restarted at the same address
@@ -87,6 +89,7 @@ class DecodeKVConnector(KVConnector):
         self.stats.remote_prefills += 1
         self.stats.transferred_blocks += len(dest)
         self.trace(rid, "prefill_sent_ns")
+        self.on_remote_start(req)
         try:
             self.send_to_peer(peer, "prefill", id=rid, token_ids=req.prompt_token_ids, sampling=req.params.to_dict(),
                               send_from=num_computed, dest=self.receiver.address, dest_block_ids=dest,

@@ -50,7 +50,8 @@ class DecodeWorker:
         self.kv: DecodeKVConnector | None = None
         if receiver is not None:
             self.kv = DecodeKVConnector(receiver, self.peers.send, engine.config.block_size,
-                                        local_prefill_threshold, prefill_timeout_s, self._on_transfer_event)
+                                        local_prefill_threshold, prefill_timeout_s, self._on_transfer_event,
+                                        on_remote_start=lambda req: self.obs.request_started(req))
             engine.set_kv_connector(self.kv)
         self.clients: dict[str, bytes] = {}
         self.added = 0
@@ -78,8 +79,7 @@ class DecodeWorker:
         self._stopped = True
 
     def run_once(self) -> None:
-        sched = self.engine.scheduler
-        runnable = bool(sched.running or sched.waiting)
+        runnable = self.engine.has_runnable()
         waiting_kv = self.kv is not None and self.kv.has_pending
         poller = zmq.Poller()
         poller.register(self.server.sock, zmq.POLLIN)
@@ -144,8 +144,7 @@ class DecodeWorker:
         req.kv_peer = msg["prefill_peer"] if self.kv is not None else None
         self.clients[rid] = identity
         self.added += 1
-        self.engine.track(req)
-        self.engine.scheduler.add(req)
+        self.engine.enqueue(req)
         self._trace(rid, "added_ns")
         fields: dict[str, Any] = {"prompt_tokens": req.num_prompt_tokens, "prefill_peer": msg["prefill_peer"]}
         if prompts_enabled():  # prompt text only with --log-prompts
@@ -155,11 +154,7 @@ class DecodeWorker:
 
     def _on_transfer_event(self, rid: str, event: str, t_ns: int | None = None) -> None:
         self._trace(rid, event, t_ns) if t_ns is not None else self._trace(rid, event)
-        if event == "prefill_sent_ns":
-            req = self.engine.scheduler.remote.get(rid)
-            if req is not None:
-                self.obs.request_started(req)  # its queue time ends: the remote prefill was asked for
-        elif event == "kv_ready_ns":
+        if event == "kv_ready_ns":
             self.obs.transfer_done(self.traces.get(rid))
 
     # ---- outputs -----------------------------------------------------------------------------
@@ -189,13 +184,8 @@ class DecodeWorker:
         self.server.reply(identity, "output", **fields)
 
     def stats_dict(self) -> dict:
-        sched, kv = self.engine.scheduler, self.engine.kv.stats()
         out = {
-            "role": "decode", "running": len(sched.running), "waiting": len(sched.waiting),
-            "waiting_for_kv": len(sched.remote), "kv_blocks_total": kv.num_blocks, "kv_blocks_used": kv.used_blocks,
-            "kv_usage": kv.usage, "prefix_queried_tokens": kv.prefix_queried_tokens,
-            "prefix_hit_tokens": kv.prefix_hit_tokens, "preemptions": sched.num_preemptions,
-            "bad_messages": self.server.bad_frames, "errors": self.errors,
+            "role": "decode", **self.engine.stats(), "bad_messages": self.server.bad_frames, "errors": self.errors,
             "remote_prefills": 0, "local_prefills": 0, "fallbacks": 0, "last_fallback_reason": "",
             "transferred_blocks": 0, "reused_blocks": 0,
         }

@@ -70,8 +70,7 @@ class PrefillWorker:
         self._stopped = True
 
     def run_once(self) -> None:
-        sched = self.engine.scheduler
-        busy = bool(sched.running or sched.waiting)
+        busy = self.engine.has_runnable()
         self.server.sock.poll(0 if busy else (2 if self._awaiting else 20))
         for identity, msg in self.server.receive():
             with request_context(msg.get("id")):  # the request id on every log line
@@ -81,7 +80,7 @@ class PrefillWorker:
                     self.counters["errors"] += 1
                     log.exception("message handling failed", error=str(exc))
         self._admit_handshaken()
-        if sched.running or sched.waiting:
+        if self.engine.has_runnable():
             t0 = time.monotonic()
             outs = self.engine.step()
             self.obs.step_done(self.engine.current_schedule, t0, outs)
@@ -143,8 +142,7 @@ class PrefillWorker:
                          prompt=self.engine.tokenizer.decode(req.prompt_token_ids))
             else:
                 log.debug("prefill admitted", request_id=rid, prompt_tokens=req.num_prompt_tokens, send_from=send_from)
-            self.engine.track(req)
-            self.engine.scheduler.add(req)
+            self.engine.enqueue(req)
 
     def _validated(self, msg: dict):
         bs = self.engine.config.block_size
@@ -159,11 +157,7 @@ class PrefillWorker:
         return req, send_from
 
     def stats_dict(self) -> dict:
-        sched, kv = self.engine.scheduler, self.engine.kv.stats()
-        out = {"role": "prefill", "running": len(sched.running), "waiting": len(sched.waiting),
-               "kv_blocks_total": kv.num_blocks, "kv_blocks_used": kv.used_blocks, "kv_usage": kv.usage,
-               "prefix_queried_tokens": kv.prefix_queried_tokens, "prefix_hit_tokens": kv.prefix_hit_tokens,
-               "preemptions": sched.num_preemptions, "bad_messages": self.server.bad_frames,
+        out = {"role": "prefill", **self.engine.stats(), "bad_messages": self.server.bad_frames,
                "prefills": self.kv.completed, **self.counters}
         st = self.sender.stats
         out.update(kv_bytes_sent=st.bytes_sent, kv_transfers=st.transfers, kv_transfer_failures=st.failures)

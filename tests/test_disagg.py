@@ -115,7 +115,9 @@ def test_disaggregated_output_identical_and_decode_reuses_cache(connector, ckpt,
             assert got[rid] == ref.token_ids, f"{connector}: {rid} diverged"
         assert stats["remote_prefills"] == len(ids) and stats["fallbacks"] == 0
         assert stats["transferred_blocks"] > 0
-        assert stats["reused_blocks"] - before["reused_blocks"] >= sum(len(p) // 16 for p in first[16:]) - 8
+        # The follow-ups' prompts (8 x ~1k tokens) overflow the 512-block pool together: how many of their
+        # cached prefixes survive depends on the order they are admitted in, so demand most, not all.
+        assert stats["reused_blocks"] - before["reused_blocks"] >= 0.75 * sum(len(p) // 16 for p in first[16:])
         assert stats["kv_bytes_received"] > 0 and stats["kv_blocks_used"] == 0
         assert worker_stats(p_addr["control"])["prefills"] == len(ids)
     finally:

@@ -148,6 +148,29 @@ class LLMEngine:
         self.scheduler.add(req)
         return req.request_id
 
+    def enqueue(self, req: Request) -> None:
+        """Queue a request built by `make_request` (a service sets its `kv_peer` first)."""
+        self.track(req)
+        self.scheduler.add(req)
+
+    def has_runnable(self) -> bool:
+        """Requests to compute now (remote-KV waits and held blocks are the connector's to poll)."""
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def stats(self) -> dict:
+        """Scheduler and KV-cache counters for a worker's stats and metrics, and whether the KV block
+        accounting holds (`kv_invariant_ok`: every block free, cached or held by a live request)."""
+        sched, kv = self.scheduler, self.kv.stats()
+        try:
+            self.check_invariants()
+            invariant_ok = True
+        except AssertionError:
+            invariant_ok = False
+        return {"running": len(sched.running), "waiting": len(sched.waiting), "waiting_for_kv": len(sched.remote),
+                "kv_blocks_total": kv.num_blocks, "kv_blocks_used": kv.used_blocks, "kv_usage": kv.usage,
+                "prefix_queried_tokens": kv.prefix_queried_tokens, "prefix_hit_tokens": kv.prefix_hit_tokens,
+                "preemptions": sched.num_preemptions, "kv_invariant_ok": invariant_ok}
+
     def track(self, req: Request) -> None:
         self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
         self._text[req.request_id] = ""

@@ -130,6 +130,8 @@ _SIMPLE: list[tuple[str, str, str, str]] = [
     ("waiting_for_kv", "tandem_worker_requests_waiting_for_kv", "gauge",
      "Decode: requests whose prompt KV is being received from a prefill worker"),
     ("kv_usage", "tandem_kv_cache_usage_ratio", "gauge", "Fraction of KV cache blocks in use (0..1)"),
+    ("kv_invariant_ok", "tandem_kv_invariant_ok", "gauge",
+     "1 while the KV block accounting holds (every block free, cached or held by a live request)"),
     ("prefix_queried_tokens", "tandem_prefix_cache_queried_tokens_total", "counter",
      "Prompt tokens looked up in the prefix cache"),
     ("prefix_hit_tokens", "tandem_prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache"),
