@@ -1,15 +1,17 @@
 """Chaos soak: `tandem up` under steady streaming load while its workers are SIGKILLed at random.
 
-    python -m bench.chaos [--model DIR] [--prefill 1] [--decode 2] [--clients 4] [--seconds 120]
-                          [--kill-every 10] [--seed 0] [--out FILE]
+    python -m bench.chaos [--model DIR] [--prefill 2] [--decode 2] [--clients 4] [--seconds 600]
+                          [--kill-every 30] [--stop-share 0.3] [--stop-seconds 5] [--seed 0] [--out FILE]
 
 Starts `tandem up` (workers restart themselves under its supervision), keeps `--clients` greedy
-streaming completions in flight over the OpenAI HTTP API, and every `--kill-every` seconds SIGKILLs
-one worker process chosen at random (prefill or decode). Every request's prompt comes from a fixed
-set whose greedy answers were computed offline first (`tandem.LLM`, same checkpoint), so a
-completed stream is checked token for token, across any migration. Prints and writes:
-requests completed / failed / wrong, kills, restarts seen in tandem up's log, router migrations and
-retries, and the latency of completed requests. Traffic stays on loopback; loops are bounded.
+streaming completions in flight over the OpenAI HTTP API, and every `--kill-every` seconds faults
+one worker process chosen at random (prefill or decode): SIGKILL, or (a `--stop-share` of the time)
+SIGSTOP for `--stop-seconds` then SIGCONT. Every request's prompt comes from a fixed set whose
+greedy answers were computed offline first (`tandem.LLM`, same checkpoint), so a completed stream is
+checked token for token, across any migration. Reports requests completed / failed with an error /
+hung (no answer within the client timeout) / wrong, faults, restarts seen in tandem up's log, router
+migrations and retries, the KV invariant on every surviving worker at the end, `/dev/shm` segments
+left after shutdown, and the latency of completed requests. Loopback only; loops are bounded.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def stream(http: str, prompt: str) -> tuple[str, str | None]:
                         return text, event["error"]["message"]
                     text += "".join(c["text"] for c in event["choices"])
     except Exception as exc:  # refused while nothing serves, 503, reset: all count as failed
+        if isinstance(exc, TimeoutError) or "timed out" in str(exc):
+            return text, "HUNG: no answer within the client timeout"
         return text, f"{type(exc).__name__}: {exc}"
     return text, None
 
@@ -75,6 +79,24 @@ def worker_pids(up_pid: int) -> dict[int, str]:
     return out
 
 
+def _cont(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
+def kv_invariant(http: str) -> dict[str, bool]:
+    """Each live worker's `kv_invariant_ok`, as its last heartbeat reported it to the router."""
+    try:
+        with urllib.request.urlopen(f"{http}/health", timeout=10) as r:
+            health = json.loads(r.read())
+    except OSError as exc:  # a 503 still carries the body
+        health = json.loads(getattr(exc, "read", lambda: b"{}")() or b"{}")
+    return {w["worker_id"]: bool(w["stats"].get("kv_invariant_ok")) for w in health.get("workers", [])
+            if w.get("alive")}
+
+
 def metric(http: str, name: str) -> float:
     try:
         with urllib.request.urlopen(f"{http}/metrics", timeout=10) as r:
@@ -87,11 +109,13 @@ def metric(http: str, name: str) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(REPO / "tandem" / "assets" / "tiny-target"))
-    ap.add_argument("--prefill", type=int, default=1)
+    ap.add_argument("--prefill", type=int, default=2)
     ap.add_argument("--decode", type=int, default=2)
     ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--seconds", type=float, default=120)
-    ap.add_argument("--kill-every", type=float, default=10)
+    ap.add_argument("--seconds", type=float, default=600)
+    ap.add_argument("--kill-every", type=float, default=30)
+    ap.add_argument("--stop-share", type=float, default=0.3, help="fraction of faults that SIGSTOP instead of kill")
+    ap.add_argument("--stop-seconds", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -104,6 +128,8 @@ def main() -> int:
     results: list[tuple[float, str, str | None, str]] = []  # (seconds, prompt, error, text)
     lock, stop = threading.Lock(), threading.Event()
     kills: list[tuple[float, str]] = []
+    invariant: dict[str, bool] = {}
+    migrations = retries = float("nan")
     try:
         ready = next(json.loads(line.split(" ", 1)[1]) for line in up.stdout if line.startswith("tandem-up-ready "))
         http, t_start = ready["http"], time.monotonic()
@@ -126,11 +152,18 @@ def main() -> int:
             pids = worker_pids(up.pid)
             if pids:
                 pid = rng.choice(sorted(pids))
-                os.kill(pid, signal.SIGKILL)
-                kills.append((round(time.monotonic() - t_start, 1), pids[pid]))
+                fault = "sigstop" if rng.random() < a.stop_share else "sigkill"
+                kills.append((round(time.monotonic() - t_start, 1), f"{fault} {pids[pid]}"))
+                if fault == "sigkill":
+                    os.kill(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGSTOP)
+                    threading.Timer(a.stop_seconds, _cont, args=(pid,)).start()
         stop.set()
         for t in threads:
             t.join(90)
+        time.sleep(2)  # the survivors' next heartbeats carry their final stats
+        invariant = kv_invariant(http)
         migrations = metric(http, "tandem_router_migrations_total")
         retries = metric(http, "tandem_router_retries_total")
     finally:
@@ -139,6 +172,8 @@ def main() -> int:
             up.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(up.pid, signal.SIGKILL)
+    shm_left = len([f for f in os.listdir("/dev/shm") if f.startswith("tandem-kv-")]) if os.path.isdir(
+        "/dev/shm") else 0
     log.seek(0)
     restarts = len(re.findall(r"restarting (?:prefill|decode)-\d+ in", log.read()))
     done = [r for r in results if r[2] is None]
@@ -147,7 +182,10 @@ def main() -> int:
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": a.model, "prefill": a.prefill, "decode": a.decode,
               "clients": a.clients, "seconds": a.seconds, "kills": kills, "restarts_seen": restarts,
               "requests": len(results), "completed": len(done), "failed": len(results) - len(done),
-              "wrong": len(wrong), "migrations": migrations, "retries": retries,
+              "hung": sum(1 for r in results if r[2] and r[2].startswith("HUNG")), "wrong": len(wrong),
+              "completed_share": round(len(done) / max(1, len(results)), 4),
+              "migrations": migrations, "retries": retries, "kv_invariant_ok_on_survivors": invariant,
+              "shm_segments_left": shm_left,
               "latency_p50_s": round(lat[len(lat) // 2], 3) if lat else None,
               "latency_p99_s": round(lat[int(len(lat) * 0.99)], 3) if lat else None,
               "errors": sorted({r[2] for r in results if r[2]})[:10], "tandem_up_exit": up.returncode}
@@ -155,7 +193,8 @@ def main() -> int:
     if a.out:
         Path(a.out).write_text(json.dumps(report, indent=2))
     os.unlink(log.name)
-    return 0 if not wrong and up.returncode == 0 else 1
+    ok = not wrong and up.returncode == 0 and all(invariant.values()) and shm_left == 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
