@@ -175,3 +175,22 @@ def stream_completion_text(http: str, prompt: str, max_tokens: int, on_chunk=Non
             if on_chunk is not None:
                 on_chunk(chunks)
     return text, error
+
+
+def start_colocated_decode(name: str, router: str, log_dir: Path, stall: str | None = None,
+                           delay: float | None = None) -> Proc:
+    """A decode worker on the shipped model that prefills its own prompts and registers to `router`;
+    its engine steps optionally slowed (see step_hook_env)."""
+    from tandem.default_model import ASSETS_DIR, TARGET_NAME
+
+    env = step_hook_env(log_dir / f"hook-{name}", stall=stall, delay=delay) if stall or delay else None
+    return Proc(name, [sys.executable, "-m", "tandem.cli", "decode", "--model", str(ASSETS_DIR / TARGET_NAME),
+                       "--kv-connector", "none", "--listen", "tcp://127.0.0.1:0", "--router", router,
+                       "--worker-id", name, "--num-kv-blocks", "256"], log_dir, env)
+
+
+def metric_value(http: str, name: str) -> float:
+    """Sum of the samples of metric `name` (all label sets) on a /metrics page."""
+    with urllib.request.urlopen(f"{http}/metrics", timeout=10) as r:
+        lines = [line for line in r.read().decode().splitlines() if re.match(rf"{name}(\{{.*\}})? ", line)]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)

@@ -9,20 +9,17 @@
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 from service_procs import (
-    Proc,
     get_json,
+    metric_value,
     post,
     router_endpoints,
+    start_colocated_decode,
     start_router,
-    step_hook_env,
     stop_all,
     stream_completion_text,
     wait_workers,
@@ -34,18 +31,6 @@ pytestmark = pytest.mark.slow
 TARGET_DIR = ASSETS_DIR / TARGET_NAME
 PROMPT = "import os\nimport sys\n\n\ndef main():\n"
 MAX_TOKENS = 100
-
-
-def start_decode(name: str, router: str, logs: Path) -> Proc:
-    return Proc(name, [sys.executable, "-m", "tandem.cli", "decode", "--model", str(TARGET_DIR), "--kv-connector",
-                       "none", "--listen", "tcp://127.0.0.1:0", "--router", router, "--worker-id", name,
-                       "--num-kv-blocks", "256"], logs, step_hook_env(logs / f"hook-{name}", delay=0.02))
-
-
-def metric(http: str, name: str) -> float:
-    with urllib.request.urlopen(f"{http}/metrics", timeout=10) as r:
-        lines = [line for line in r.read().decode().splitlines() if line.startswith(name + " ")]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +46,7 @@ def test_sigterm_drains_a_decode_worker(tmp_path, expected):
     procs = [router]
     try:
         ep = router_endpoints(router)
-        workers = {name: start_decode(name, ep["listen"], tmp_path) for name in ("d1", "d2")}
+        workers = {name: start_colocated_decode(name, ep["listen"], tmp_path, delay=0.02) for name in ("d1", "d2")}
         procs += workers.values()
         wait_workers(ep["http"], decode=2)
         terminated: list[str] = []
@@ -75,13 +60,13 @@ def test_sigterm_drains_a_decode_worker(tmp_path, expected):
 
         text, error = stream_completion_text(ep["http"], PROMPT, MAX_TOKENS, on_chunk)
         assert error is None and text == expected  # finished where it started: no migration needed
-        assert metric(ep["http"], "tandem_router_migrations_total") == 0
+        assert metric_value(ep["http"], "tandem_router_migrations_total") == 0
         draining = workers[terminated[0]]
         assert draining.popen.wait(30) == 0
         time.sleep(0.3)
         _, health = get_json(f"{ep['http']}/health")
         assert [w["worker_id"] for w in health["workers"]] == [n for n in workers if n != terminated[0]]
-        assert metric(ep["http"], "tandem_router_workers_lost_total") == 0  # it left; it was not lost
+        assert metric_value(ep["http"], "tandem_router_workers_lost_total") == 0  # it left; it was not lost
         assert "draining: finishing the requests in flight" in draining.log.read_text()
     finally:
         stop_all(procs)
@@ -92,7 +77,7 @@ def test_sigterm_drains_the_router(tmp_path, expected):
     procs = [router]
     try:
         ep = router_endpoints(router)
-        procs.append(start_decode("d1", ep["listen"], tmp_path))
+        procs.append(start_colocated_decode("d1", ep["listen"], tmp_path, delay=0.02))
         wait_workers(ep["http"], decode=1)
         refused: list[int] = []
 

@@ -15,14 +15,20 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
-from service_procs import Proc, get_json, router_endpoints, start_router, step_hook_env, stop_all, wait_workers
+from service_procs import (
+    get_json,
+    metric_value,
+    router_endpoints,
+    start_colocated_decode,
+    start_router,
+    stop_all,
+    wait_workers,
+)
 
 from tandem.default_model import ASSETS_DIR, TARGET_NAME
 
@@ -31,13 +37,6 @@ pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not 
 TARGET_DIR = ASSETS_DIR / TARGET_NAME
 
 HEALTH_POLL_S = 0.1
-
-
-def start_decode(name: str, router: str, logs: Path, stall: str | None = None) -> Proc:
-    env = step_hook_env(logs / f"hook-{name}", stall=stall) if stall is not None else None
-    return Proc(name, [sys.executable, "-m", "tandem.cli", "decode", "--model", str(TARGET_DIR), "--kv-connector",
-                       "none", "--listen", "tcp://127.0.0.1:0", "--router", router, "--worker-id", name,
-                       "--num-kv-blocks", "256"], logs, env)
 
 
 def stream_completion(http: str, prompt: str, max_tokens: int) -> tuple[list[str], str | None, float]:
@@ -83,12 +82,6 @@ class HealthWatch:
         self._thread.join()
 
 
-def metric(http: str, name: str) -> float:
-    with urllib.request.urlopen(f"{http}/metrics", timeout=10) as r:
-        lines = [line for line in r.read().decode().splitlines() if line.startswith(name)]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
-
-
 @pytest.fixture
 def logs(tmp_path):
     d = tmp_path / "logs"
@@ -101,13 +94,13 @@ def test_slow_step_keeps_registration_and_stream_and_sheds_new_requests(logs):
     procs = [router]
     try:
         ep = router_endpoints(router)
-        procs.append(start_decode("slow", ep["listen"], logs, stall="4:10"))
+        procs.append(start_colocated_decode("slow", ep["listen"], logs, stall="4:10"))
         wait_workers(ep["http"], decode=1)
         watch = HealthWatch(ep["http"])
         result: dict = {}
         slow = threading.Thread(target=lambda: result.update(a=stream_completion(ep["http"], "import os\n", 16)))
         slow.start()
-        procs.append(start_decode("ok", ep["listen"], logs))  # registers while "slow" is stalled
+        procs.append(start_colocated_decode("ok", ep["listen"], logs))  # registers while "slow" is stalled
         wait_workers(ep["http"], decode=2)
         pieces_b, error_b, seconds_b = stream_completion(ep["http"], "def main():\n", 16)
         assert "a" not in result, "the stalled request finished before the stall could matter"
@@ -118,8 +111,8 @@ def test_slow_step_keeps_registration_and_stream_and_sheds_new_requests(logs):
         assert seconds_a >= 10, "the step did not stall"
         assert error_b is None and len(pieces_b) == 16
         assert watch.min_live >= 1 and watch.max_loop_age > 2.0, (watch.min_live, watch.max_loop_age)
-        assert metric(ep["http"], "tandem_router_workers_lost_total") == 0
-        assert metric(ep["http"], "tandem_router_workers_hung_total") == 0
+        assert metric_value(ep["http"], "tandem_router_workers_lost_total") == 0
+        assert metric_value(ep["http"], "tandem_router_workers_hung_total") == 0
         assert '"decode": "ok"' in router.log.read_text() or "decode=ok" in router.log.read_text()
     finally:
         stop_all(procs)
@@ -132,13 +125,13 @@ def test_step_that_never_returns_is_hung_after_the_timeout(logs):
     procs = [router]
     try:
         ep = router_endpoints(router)
-        hung = start_decode("hung", ep["listen"], logs, stall="4:3600")
+        hung = start_colocated_decode("hung", ep["listen"], logs, stall="4:3600")
         procs.append(hung)
         wait_workers(ep["http"], decode=1)
         result: dict = {}
         t = threading.Thread(target=lambda: result.update(a=stream_completion(ep["http"], "import os\n", 16)))
         t.start()
-        procs.append(start_decode("ok", ep["listen"], logs))  # registers well within the hung timeout
+        procs.append(start_colocated_decode("ok", ep["listen"], logs))  # registers well within the hung timeout
         t.join(90)
         pieces, error, seconds = result["a"]
         assert error is None and len(pieces) == 16, (error, pieces)
@@ -146,8 +139,8 @@ def test_step_that_never_returns_is_hung_after_the_timeout(logs):
         _, health = get_json(f"{ep['http']}/health")
         hung_entry = [w for w in health["workers"] if w["worker_id"] == "hung"]
         assert hung_entry and hung_entry[0]["hung"] and not hung_entry[0]["alive"], health
-        assert metric(ep["http"], "tandem_router_workers_hung_total") == 1
-        assert metric(ep["http"], "tandem_router_migrations_total") == 1
+        assert metric_value(ep["http"], "tandem_router_workers_hung_total") == 1
+        assert metric_value(ep["http"], "tandem_router_migrations_total") == 1
         assert health["live_workers"]["decode"] == 1  # "ok"; the hung one is not counted
         pieces, error, _ = stream_completion(ep["http"], "def main():\n", 8)
         assert error is None and len(pieces) == 8
@@ -171,7 +164,7 @@ def test_sigkill_and_sigstop_are_noticed_within_2s(logs):
     procs = [router]
     try:
         ep = router_endpoints(router)
-        procs += [start_decode("d1", ep["listen"], logs), start_decode("d2", ep["listen"], logs)]
+        procs += [start_colocated_decode("d1", ep["listen"], logs), start_colocated_decode("d2", ep["listen"], logs)]
         wait_workers(ep["http"], decode=2)
         procs[1].popen.kill()
         assert _seconds_until_live(ep["http"], 1) < 2.5

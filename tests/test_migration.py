@@ -8,18 +8,16 @@ goes on with no error, and its whole text equals the offline engine's for the sa
 
 from __future__ import annotations
 
-import sys
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 from service_procs import (
     Proc,
     get_json,
+    metric_value,
     router_endpoints,
+    start_colocated_decode,
     start_router,
-    step_hook_env,
     stop_all,
     stream_completion_text,
     wait_workers,
@@ -32,13 +30,6 @@ TARGET_DIR = ASSETS_DIR / TARGET_NAME
 PROMPT = "import os\nimport sys\n\n\ndef main():\n"
 MAX_TOKENS = 120
 KILL_AFTER_CHUNKS = 30
-
-
-def start_decode(name: str, router: str, logs: Path) -> Proc:
-    # Steps slowed to ~20 ms so that the kill lands mid-stream on any machine.
-    return Proc(name, [sys.executable, "-m", "tandem.cli", "decode", "--model", str(TARGET_DIR), "--kv-connector",
-                       "none", "--listen", "tcp://127.0.0.1:0", "--router", router, "--worker-id", name,
-                       "--num-kv-blocks", "256"], logs, step_hook_env(logs / f"hook-{name}", delay=0.02))
 
 
 def stream_and_kill(http: str, workers: dict[str, Proc]) -> tuple[str, str | None, str]:
@@ -58,12 +49,6 @@ def stream_and_kill(http: str, workers: dict[str, Proc]) -> tuple[str, str | Non
     return text, error, killed[0] if killed else ""
 
 
-def metric(http: str, name: str) -> float:
-    with urllib.request.urlopen(f"{http}/metrics", timeout=10) as r:
-        lines = [line for line in r.read().decode().splitlines() if line.startswith(name + " ")]
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
-
-
 @pytest.fixture(scope="module")
 def expected() -> str:
     from tandem import LLM, SamplingParams
@@ -78,7 +63,7 @@ def test_killed_decode_worker_mid_stream(tmp_path, expected, migrate):
     procs = [router]
     try:
         ep = router_endpoints(router)
-        workers = {name: start_decode(name, ep["listen"], tmp_path) for name in ("d1", "d2")}
+        workers = {name: start_colocated_decode(name, ep["listen"], tmp_path, delay=0.02) for name in ("d1", "d2")}
         procs += workers.values()
         wait_workers(ep["http"], decode=2)
         t0 = time.monotonic()
@@ -87,7 +72,7 @@ def test_killed_decode_worker_mid_stream(tmp_path, expected, migrate):
         if migrate:
             assert error is None, error
             assert text == expected
-            assert metric(ep["http"], "tandem_router_migrations_total") == 1
+            assert metric_value(ep["http"], "tandem_router_migrations_total") == 1
         else:
             assert error is not None and "stopped responding" in error and text and expected.startswith(text)
         assert time.monotonic() - t0 < 60
@@ -101,7 +86,7 @@ def test_migration_needs_a_survivor(tmp_path):
     procs = [router]
     try:
         ep = router_endpoints(router)
-        workers = {"d1": start_decode("d1", ep["listen"], tmp_path)}
+        workers = {"d1": start_colocated_decode("d1", ep["listen"], tmp_path, delay=0.02)}
         procs += workers.values()
         wait_workers(ep["http"], decode=1)
         text, error, _ = stream_and_kill(ep["http"], workers)
