@@ -117,8 +117,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             metrics.request_ended("grpc", ended_by, stream, rid)
 
 
-async def start_grpc(router: Router, model: ServedModel, host: str, port: int, api_key: str | None = None
-                     ) -> tuple[grpc.aio.Server, int, HealthServicer]:
+async def start_grpc(router: Router, model: ServedModel, host: str, port: int, api_key: str | None = None,
+                     tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.aio.Server, int, HealthServicer]:
+    """`tls`: (private key PEM, certificate chain PEM) for a TLS port; None for plaintext."""
     """Build, bind and start the gRPC server; returns it, its port and the health servicer."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(router, model, api_key), server)
@@ -126,7 +127,10 @@ async def start_grpc(router: Router, model: ServedModel, host: str, port: int, a
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is not None:
+        bound = server.add_secure_port(f"{host}:{port}", grpc.ssl_server_credentials([tls]))
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise ValueError(f"cannot bind the gRPC port {host}:{port}")
     await server.start()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl as ssl_module
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -90,8 +91,8 @@ class HttpServer:
         self.connections = 0
         self.server: asyncio.AbstractServer | None = None
 
-    async def start(self, host: str, port: int) -> int:
-        self.server = await asyncio.start_server(self._connection, host, port, limit=MAX_HEAD_BYTES)
+    async def start(self, host: str, port: int, ssl: "ssl_module.SSLContext | None" = None) -> int:
+        self.server = await asyncio.start_server(self._connection, host, port, limit=MAX_HEAD_BYTES, ssl=ssl)
         return self.server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import ssl
 import sys
 import time
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ class RouterConfig:
     migrate: bool = True  # a stream whose decode worker is lost continues on another one
     drain_timeout_s: float = 30.0  # on SIGTERM: refuse new requests, wait this long for those in flight
     api_key: str | None = None  # required on /v1/* (Bearer) and gRPC Generate when set
+    ssl_certfile: str | None = None  # TLS for HTTP and gRPC (both files, or neither)
+    ssl_keyfile: str | None = None
     hung_timeout_s: float = 60.0  # alive but no engine-loop progress this long = hung, handled like dead
     block_size: int = 16
     affinity_blocks: int = 4
@@ -63,6 +66,8 @@ class RouterConfig:
         for name in ("max_inflight", "block_size", "affinity_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
         for name in ("static_timeout_s", "heartbeat_misses", "hung_timeout_s", "tick_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -93,14 +98,16 @@ class RouterService:
         self.listen = ListenSocket(self.ctx, cfg.listen)
         self.http = HttpServer(OpenAIApp(self.router, self.registry, self.model, cfg.api_key),
                                max_connections=4 * cfg.max_inflight + 64)
-        http_port = await self.http.start(cfg.host, cfg.http_port)
+        ssl_ctx, tls = _tls(cfg)
+        http_port = await self.http.start(cfg.host, cfg.http_port, ssl_ctx)
         self.grpc, grpc_port, self.health = await start_grpc(self.router, self.model, cfg.host, cfg.grpc_port,
-                                                             cfg.api_key)
+                                                             cfg.api_key, tls)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.listen.serve(self._on_registration)),
                        loop.create_task(self._housekeeping())]
         shown = "127.0.0.1" if cfg.host in ("0.0.0.0", "") else cfg.host
-        self.endpoints = {"http": f"http://{shown}:{http_port}", "grpc": f"{shown}:{grpc_port}",
+        scheme = "https" if ssl_ctx is not None else "http"
+        self.endpoints = {"http": f"{scheme}://{shown}:{http_port}", "grpc": f"{shown}:{grpc_port}",
                           "listen": self.listen.address}
         self._start_metrics(cfg)
         return self.endpoints
@@ -186,6 +193,20 @@ class RouterService:
             self._metrics_server.close()
         if self._collector is not None:
             REGISTRY.unregister(self._collector)
+
+
+def _tls(cfg: RouterConfig) -> tuple[ssl.SSLContext | None, tuple[bytes, bytes] | None]:
+    """The HTTP server's SSL context and gRPC's (key, certificate chain), or (None, None)."""
+    if cfg.ssl_certfile is None or cfg.ssl_keyfile is None:
+        return None, None
+    try:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(cfg.ssl_certfile, cfg.ssl_keyfile)
+        with open(cfg.ssl_keyfile, "rb") as k, open(cfg.ssl_certfile, "rb") as c:
+            return ctx, (k.read(), c.read())
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cannot use --ssl-certfile {cfg.ssl_certfile} / --ssl-keyfile {cfg.ssl_keyfile}: "
+                         f"{exc}") from None
 
 
 def print_endpoints(model: ServedModel, endpoints: dict[str, str], file=sys.stdout) -> None:

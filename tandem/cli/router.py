@@ -45,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                    help="require this key on the OpenAI API (Authorization: Bearer KEY) and gRPC Generate "
                         "(metadata authorization: Bearer KEY); default $TANDEM_API_KEY. /health and /metrics stay open")
+    p.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM) for HTTP and gRPC")
+    p.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM) for HTTP and gRPC")
     p.add_argument("--static-timeout", type=float, default=3.0,
                    help="seconds a static worker may go without answering the router's stats poll")
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (for prefix affinity)")
@@ -72,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
                           static_timeout_s=args.static_timeout, heartbeat_misses=args.heartbeat_misses,
                           hung_timeout_s=args.hung_timeout, migrate=args.migrate,
                           drain_timeout_s=args.drain_timeout, api_key=args.api_key or None,
+                          ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                           block_size=args.block_size, affinity_blocks=args.affinity_blocks,
                           metrics_port=args.metrics_port)
     asyncio.run(serve(config))

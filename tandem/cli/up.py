@@ -70,6 +70,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "is this process's affinity mask, capped by an exported OMP_NUM_THREADS")
     p.add_argument("--hung-timeout", type=float, default=None,
                    help="the router's hung timeout: seconds a live worker may make no progress (default 60)")
+    p.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM) for the router's HTTP and gRPC")
+    p.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM) for the router's HTTP and gRPC")
     p.add_argument("--no-migration", dest="migrate", action="store_false",
                    help="the router ends a stream whose decode worker died instead of continuing it on another")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every worker")
@@ -94,7 +96,8 @@ def build_commands(args: argparse.Namespace, model: str) -> tuple[list[str], lis
     router = ["router", "--model", model, "--host", args.host, "--http-port", str(args.http_port),
               "--grpc-port", str(args.grpc_port), "--listen", "tcp://127.0.0.1:0"]
     for flag, value in (("--served-model-name", args.served_model_name), ("--decode-policy", args.decode_policy),
-                        ("--prefill-policy", args.prefill_policy), ("--hung-timeout", args.hung_timeout)):
+                        ("--prefill-policy", args.prefill_policy), ("--hung-timeout", args.hung_timeout),
+                        ("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile)):
         if value is not None:
             router += [flag, str(value)]
     if not args.migrate:
