@@ -39,7 +39,7 @@ REFERENCE_OPS = KernelOps(
 def _triton_ops() -> KernelOps:
     try:
         from kernels import triton_ops  # noqa: WPS433 (import only when asked for)
-    except ImportError as exc:  # triton missing, or kernels not built yet
+    except ImportError as exc:  # triton is an optional extra
         raise ValueError(f"Triton kernels requested but unavailable: {exc}") from exc
     return triton_ops.TRITON_OPS
 
