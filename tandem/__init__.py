@@ -8,7 +8,12 @@ access (PEP 562): importing a light submodule such as `tandem.sampling_params` o
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
+
+# tandem does not use numpy (KV bytes move as ctypes views), so torch's import-time complaint that
+# it is missing is noise on every command of an install without it.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 if TYPE_CHECKING:
     from tandem.llm import LLM
