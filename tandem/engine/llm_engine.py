@@ -16,7 +16,6 @@ memory for the shm connector); `set_kv_connector` plugs in the disaggregation se
 
 from __future__ import annotations
 
-import copy
 import itertools
 from typing import TYPE_CHECKING
 
@@ -24,10 +23,11 @@ import torch
 
 from kvtransfer.base import allocate_kv_caches
 from tandem.config import EngineConfig
+from tandem.engine import spec_decode
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_connector import KVConnector
 from tandem.engine.kv_layout import KVAllocator, cache_layout
-from tandem.engine.model_runner import ModelRunner, StepResult
+from tandem.engine.model_runner import ModelRunner
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.strategies import resolve_eviction, resolve_quantizer
@@ -48,7 +48,7 @@ class LLMEngine:
         model_cfg = ModelConfig.from_dir(config.model)
         self.model_config = model_cfg
         self.tokenizer = Tokenizer(config.model)
-        self.max_model_len = self._resolve_max_model_len(model_cfg)
+        self.max_model_len = model_cfg.resolve_max_model_len(config.max_model_len, _MAX_MODEL_LEN_DEFAULT_CAP)
         self.runner = ModelRunner(config.model, config.torch_dtype, config.torch_device, self.max_model_len,
                                   config.block_size, config.seed,
                                   # --kv-cache-dtype: sizes the blocks below and allocates scales
@@ -94,20 +94,6 @@ class LLMEngine:
         cls = resolve_speculator(self.config.speculator)
         return cls(SpeculatorContext(self.config, self.model_config, self.max_model_len,
                                      self.config.torch_device, self.config.torch_dtype))
-
-    def _resolve_max_model_len(self, cfg: ModelConfig) -> int:
-        limit = cfg.max_position_embeddings
-        if cfg.sliding_window:
-            limit = min(limit, cfg.sliding_window)  # beyond the window our full attention would differ
-        if self.config.max_model_len is None:
-            return min(limit, _MAX_MODEL_LEN_DEFAULT_CAP)
-        if self.config.max_model_len > limit:
-            if cfg.sliding_window and limit == cfg.sliding_window:
-                raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's sliding_window "
-                                 f"({limit}); sliding-window attention is not implemented")
-            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings ({limit})")
-        return self.config.max_model_len
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -222,7 +208,8 @@ class LLMEngine:
         result = self.runner.execute(out)
         before = {s.request.request_id: s.request.num_tokens for s in out.scheduled}
         if self.speculator is not None:
-            self._cut_runs_at_stop_strings(result)
+            spec_decode.cut_runs_at_stop_strings(result.sampled, result.logits, self.scheduler.requests,
+                                                 self._detok, self._text)
         changed = self.scheduler.update(out, result.sampled)
         for req in changed:
             new_ids = req.token_ids[before[req.request_id]:]
@@ -230,24 +217,6 @@ class LLMEngine:
                 self._record_logprobs(req, result.logits[req.request_id], new_ids)
             outputs.append(self._output(req, new_ids))
         return outputs
-
-    def _cut_runs_at_stop_strings(self, result: StepResult) -> None:
-        """A stop string completed inside an accepted run ends the request there, as one-token steps
-        would: replay the run through a copy of the detokenizer token by token (only for requests
-        with stop strings and a multi-token run) and cut the run before `update` appends it."""
-        for rid, run in result.sampled.items():
-            req, detok = self.scheduler.requests.get(rid), self._detok.get(rid)
-            if len(run) < 2 or req is None or not req.params.stop or detok is None:
-                continue
-            sim = copy.deepcopy(detok, {id(detok.tokenizer): detok.tokenizer})  # shares only the tokenizer
-            before = self._text.get(rid, "")
-            text, lookback = before, max(len(before) - max(map(len, req.params.stop)) + 1, 0)
-            for i, t in enumerate(run[:-1]):
-                text += sim.add([t])
-                if any(stop in text[lookback:] for stop in req.params.stop):
-                    result.sampled[rid] = run[:i + 1]
-                    result.logits[rid] = result.logits[rid][:i + 1]
-                    break
 
     def _speculate(self) -> None:
         """Ask the speculator for proposals for the decoding requests; they ride along in this step's

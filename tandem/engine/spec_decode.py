@@ -17,6 +17,7 @@ plain sampling would draw from; every random draw uses the request's own generat
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -121,3 +122,23 @@ class SpecStats:
             # Draft tokens kept per verifying step; tokens per step is this + 1.
             "mean_accepted_length": self.num_accepted_tokens / v if v else 0.0,
         }
+
+
+def cut_runs_at_stop_strings(sampled: dict[str, list[int]], logits: dict[str, torch.Tensor],
+                             requests: dict[str, Request], detoks: dict, texts: dict[str, str]) -> None:
+    """A stop string completed inside an accepted run ends the request there, as one-token steps
+    would: replay the run through a copy of the request's detokenizer token by token (only for
+    requests with stop strings and a multi-token run) and cut the run before it is appended."""
+    for rid, run in sampled.items():
+        req, detok = requests.get(rid), detoks.get(rid)
+        if len(run) < 2 or req is None or not req.params.stop or detok is None:
+            continue
+        sim = copy.deepcopy(detok, {id(detok.tokenizer): detok.tokenizer})  # shares only the tokenizer
+        before = texts.get(rid, "")
+        text, lookback = before, max(len(before) - max(map(len, req.params.stop)) + 1, 0)
+        for i, t in enumerate(run[:-1]):
+            text += sim.add([t])
+            if any(stop in text[lookback:] for stop in req.params.stop):
+                sampled[rid] = run[:i + 1]
+                logits[rid] = logits[rid][:i + 1]
+                break

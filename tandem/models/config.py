@@ -88,6 +88,21 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
+    def resolve_max_model_len(self, requested: int | None, default_cap: int) -> int:
+        """The context length to serve: `requested`, or the model's limit capped at `default_cap`;
+        a request beyond what the model supports is a ValueError."""
+        limit = self.max_position_embeddings
+        if self.sliding_window:
+            limit = min(limit, self.sliding_window)  # beyond the window our full attention would differ
+        if requested is None:
+            return min(limit, default_cap)
+        if requested > limit:
+            if self.sliding_window and limit == self.sliding_window:
+                raise ValueError(f"max_model_len={requested} exceeds the model's sliding_window ({limit}); "
+                                 "sliding-window attention is not implemented")
+            raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings ({limit})")
+        return requested
+
 
 def _rope(raw: dict) -> tuple[float, dict | None]:
     """transformers >= 5 writes `rope_parameters` (theta inside); older checkpoints `rope_theta` + `rope_scaling`."""
