@@ -9,6 +9,9 @@ acknowledgements at the end (throughput, as a busy prefill worker would).
 
     python bench/kv_transfer.py [--tokens 2048] [--iters 20] [--fragmented] [--connectors zmq-tcp,shm]
 
+With TANDEM_LINK_SECRET (or TANDEM_LINK_KEYS) exported, both ends run their links under ZMQ CURVE,
+as a cluster with link keys does: that measures the cost of authenticated, encrypted links.
+
 Targets: shm >= 80% of memcpy, zmq tcp >= 30%.
 """
 
@@ -26,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from kvtransfer import CONNECTORS, CacheLayout, TransferDone, TransferFailed  # noqa: E402
+from tandem.protocol import security  # noqa: E402
 
 LAYOUT = CacheLayout("bench", "float32", "float32", block_size=16, num_layers=8, num_kv_heads=2, head_dim=64)
 VARIANTS = {  # name -> (connector, bind)
@@ -47,6 +51,7 @@ def receiver_main(connector: str, bind: str | None, n_blocks: int, n_requests: i
     torch.set_num_threads(1)
     c = CONNECTORS[connector](timeout_s=600)
     caches, scales = c.allocate_kv_caches(LAYOUT, 3 * n_blocks + 8)
+    security.configure_from_options()  # the environment's link keys, if any (spawned: nothing inherited)
     rx = c.make_receiver(LAYOUT, caches, scales, bind)
     dest = block_ids(n_blocks, fragmented, offset=n_blocks)
     for i in range(n_requests):
@@ -70,6 +75,7 @@ def sender_main(connector: str, n_blocks: int, n_requests: int, warmup: int, fra
     """One at a time (send every layer, wait for D's ack) for `n_requests`, then the same count
     streamed: every request's layers back to back, acks collected at the end (finish_async)."""
     torch.set_num_threads(1)
+    security.configure_from_options()
     tx = CONNECTORS[connector]().make_sender(LAYOUT, "cpu")
     cache = torch.randn(2 * n_blocks + 8, *LAYOUT.block_shape)
     src = block_ids(n_blocks, fragmented, offset=0)

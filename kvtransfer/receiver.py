@@ -44,6 +44,7 @@ from kvtransfer.common import (
     resolve_endpoint,
 )
 from kvtransfer.receiver_io import Peer, ReceiverIO
+from tandem.protocol import security
 
 log = structlog.get_logger(__name__)
 
@@ -94,12 +95,13 @@ class BaseReceiver(ReceiverIO, KVReceiver):
         self._peers_lock = threading.Lock()
         self.drops = DropLog(log)
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock = security.server(self._ctx.socket(zmq.ROUTER))
         self._sock.setsockopt(zmq.LINGER, 0)
         try:
             self._sock.bind(bind or self.default_bind)
         except zmq.ZMQError as exc:
             self._sock.close()
+            security.release(self._ctx)
             self._ctx.term()
             raise ValueError(f"cannot bind KV receiver to {bind or self.default_bind!r}: {exc}") from exc
         self._address = resolve_endpoint(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -174,6 +176,7 @@ class BaseReceiver(ReceiverIO, KVReceiver):
                 self._drop_peer(info)
             self.peers.clear()
         self._sock.close(linger=0)
+        security.release(self._ctx)
         self._ctx.term()
         self._wake.close()
         if self._address.startswith("ipc://"):  # we bound it, so the socket file is ours to remove

@@ -35,6 +35,7 @@ from kvtransfer import wire
 from kvtransfer.base import CacheLayout, HandshakeError, KVSender, SenderStats
 from kvtransfer.common import DropLog, WakePipe, check_block_ids, check_cache, check_request_id
 from kvtransfer.sender_io import Link, Outgoing, SenderIO
+from tandem.protocol import security
 
 log = structlog.get_logger(__name__)
 
@@ -129,7 +130,7 @@ class BaseSender(SenderIO, KVSender):
             raise HandshakeError(f"handshake with {address} failed: {exc}") from exc
         data = None
         if data_id is not None:
-            data = self._ctx.socket(zmq.DEALER)
+            data = security.client(self._ctx.socket(zmq.DEALER))
             data.setsockopt(zmq.LINGER, 0)
             data.setsockopt(zmq.SNDHWM, 0)  # frames reference buffers we hold anyway: queue, never block
             data.setsockopt(zmq.ROUTING_ID, data_id)
@@ -239,6 +240,7 @@ class BaseSender(SenderIO, KVSender):
                     conn.data.close(linger=0)
         for link in self._links.values():
             link.sock.close(linger=0)
+        security.release(self._ctx)
         self._ctx.term()
         self._wake.close()
 

@@ -23,6 +23,7 @@ import zmq
 from kvtransfer import wire
 from kvtransfer.base import CacheLayout, HandshakeError, SenderStats
 from kvtransfer.common import DropLog, WakePipe
+from tandem.protocol import security
 
 log = structlog.get_logger(__name__)
 
@@ -110,7 +111,7 @@ class SenderIO:
             if link is not None:
                 self._poller.unregister(link.sock)
                 link.sock.close(linger=0)
-            sock = self._ctx.socket(zmq.DEALER)
+            sock = security.client(self._ctx.socket(zmq.DEALER))
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)  # stable across reconnects
             sock.connect(args[0])

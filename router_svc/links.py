@@ -18,7 +18,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from tandem.protocol import messages
+from tandem.protocol import messages, security
 from tandem.protocol.channel import dealer_socket
 from tandem.protocol.messages import ProtocolError
 
@@ -98,7 +98,7 @@ class ListenSocket:
     """ROUTER for worker registration; `handler(msg)` returns an error text to answer with, or None."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
-        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock = security.server(ctx.socket(zmq.ROUTER))
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(address)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)

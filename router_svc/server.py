@@ -31,6 +31,7 @@ from router_svc.openai_server import OpenAIApp
 from router_svc.prompts import ServedModel
 from router_svc.registry import Registry
 from tandem.engine.strategies import resolve_routing_policy as resolve_policy
+from tandem.protocol import security
 
 log = structlog.get_logger(__name__)
 ROUTER_STALL_S = 0.5  # housekeeping this late: skip one expiry round (see _housekeeping)
@@ -188,6 +189,7 @@ class RouterService:
         if self.links is not None:
             self.links.close()
         self.listen.close()
+        security.release(self.ctx)
         self.ctx.term()
         if self._metrics_server is not None:
             self._metrics_server.close()

@@ -41,23 +41,24 @@ def test_dry_run_prints_the_exact_commands(capsys):
     ssh = ["ssh", "-T", "-o", "BatchMode=yes", "-p", "22", "-o", "StrictHostKeyChecking=accept-new"]
     python = ["/opt/tandem/venv/bin/python", "-m", "tandem.cli.up"]
     model, engine = ["--model", "/models/Llama-3.1-8B-Instruct"], ["--dtype", "bfloat16", "--kv-cache-memory-gb", "40"]
+    keys = ["--link-keys", "/etc/tandem/keys"]
     for (_, argv), target in zip(procs, ["tandem@10.0.0.1"] + ["tandem@10.0.0.2"] * 2 + ["ubuntu@10.0.0.3"] * 2):
         assert argv[:-1] == [*ssh, target] and shlex.split(argv[-1])[0] == "exec"
     remote = [shlex.split(argv[-1])[1:] for _, argv in procs]
     assert remote[0] == [*python, "router", *model, "--host", "0.0.0.0", "--http-port", "8000", "--grpc-port",
-                         "50051", "--listen", "tcp://0.0.0.0:5557", "--decode-policy", "least_loaded"]
+                         "50051", "--listen", "tcp://0.0.0.0:5557", "--decode-policy", "least_loaded", *keys]
     for i in range(2):
         assert remote[1 + i] == ["env", f"CUDA_VISIBLE_DEVICES={i}", *python, "prefill", *model, "--kv-connector",
                                  "zmq", "--listen", f"tcp://0.0.0.0:{6000 + i}", "--router", "tcp://10.0.0.1:5557",
                                  "--worker-id", f"10.0.0.2-prefill-{i}", "--cpus", f"{i}/2",
                                  "--advertise", f"tcp://10.0.0.2:{6000 + i}",
-                                 *engine]
+                                 *keys, *engine]
         assert remote[3 + i] == ["env", f"CUDA_VISIBLE_DEVICES={i}", *python, "decode", "--model",
                                  "/data/models/Llama-3.1-8B-Instruct", "--kv-connector", "zmq", "--listen",
                                  f"tcp://0.0.0.0:{6100 + i}", "--router", "tcp://10.0.0.1:5557", "--worker-id",
                                  f"10.0.0.3-decode-{i}", "--cpus", f"{i}/2",
                                  "--advertise", f"tcp://10.0.0.3:{6100 + i}",
-                                 "--kv-listen", f"tcp://10.0.0.3:{6200 + i}", *engine,
+                                 "--kv-listen", f"tcp://10.0.0.3:{6200 + i}", *keys, *engine,
                                  "--local-prefill-threshold", "16"]
 
 
@@ -84,6 +85,11 @@ BAD = [  # (YAML, what the one-line error must say)
      "hosts: [{host: localhost, decode: {count: 1, args: [--bogus]}}]\n",
      "hosts[0].decode: the command `tandem decode"),
     ("hosts: []\n", "missing required key 'router'"),
+    ("router: {host: 10.0.0.1}\nkv_connector: none\nhosts: [{host: 10.0.0.2, decode: {count: 1}}]\n",
+     "link_keys: required when hosts are remote: run `tandem keys DIR`"),
+    ("router: {host: localhost}\nkv_connector: none\ninsecure_links: yes please\n"
+     "hosts: [{host: localhost, decode: {count: 1}}]\n",
+     "insecure_links: expected true or false"),
     ("router: {host: localhost}\nhosts: [{host: localhost, prefill: {count: 1, cpus: 0-1},"
      " decode: {count: 1, cpus: 1-3}}]\n", "hosts[0]: prefill.cpus and decode.cpus overlap on cores 1"),
     ("router: {host: localhost}\nhosts: [{host: localhost, prefill: {count: 1, cpus: '0'}, decode: {count: 1}}]\n",
@@ -96,7 +102,6 @@ BAD = [  # (YAML, what the one-line error must say)
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 @pytest.mark.parametrize("text,message", BAD, ids=[m.split(":")[0] for _, m in BAD])
 def test_bad_cluster_is_a_clear_error(tmp_path, capsys, text, message):

@@ -10,7 +10,7 @@ import importlib
 import sys
 
 # Subcommand modules, in the order `tandem --help` lists them.
-COMMANDS = ["generate", "chat", "up", "launch", "router", "prefill", "decode", "plugins"]
+COMMANDS = ["generate", "chat", "up", "launch", "router", "prefill", "decode", "keys", "plugins"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -30,12 +30,13 @@ from tandem.cli.supervise import Supervisor, engine_actions, engine_flags, run_s
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 CONNECTORS = ("zmq", "shm", "torch_dist", "none")
-TOP_KEYS = ("model", "kv_connector", "engine", "ssh", "router", "hosts")
+TOP_KEYS = ("model", "kv_connector", "engine", "link_keys", "insecure_links", "ssh", "router", "hosts")
 SSH_KEYS = ("user", "port", "options", "python")
 ROUTER_KEYS = ("host", "bind", "http_port", "grpc_port", "listen_port", "model", "python", "args")
 HOST_KEYS = ("host", "user", "python", "model", "prefill", "decode")
 ROLE_KEYS = ("count", "port", "kv_port", "cpus", "args", "env")
 DEFAULT_PORTS = {"prefill": 6000, "decode": 6100}
+LOCAL_SECRET = ""  # link_keys of an all-local cluster: a secret made per launch
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -141,7 +142,22 @@ def validate(raw: Any) -> dict[str, Any]:
     _check_ports(router, hosts)
     _check_cpus(hosts)
     return {"model": top.get("model"), "kv_connector": connector, "engine": engine,
-            "ssh": ssh, "router": router, "hosts": hosts}
+            "link_keys": _link_keys(top, remote), "ssh": ssh, "router": router, "hosts": hosts}
+
+
+def _link_keys(top: dict[str, Any], remote: bool) -> str | None:
+    """Worker links are authenticated by default: remote hosts share a key directory the user copied
+    there; an all-local cluster gets a fresh secret in its processes' environment (see `plan`)."""
+    _strs(top, "", ("link_keys",))
+    insecure = top.get("insecure_links", False)
+    if not isinstance(insecure, bool):
+        raise ValueError(f"insecure_links: expected true or false, got {insecure!r}")
+    if insecure and "link_keys" in top:
+        raise ValueError("insecure_links: true contradicts link_keys: drop one")
+    if remote and not insecure and "link_keys" not in top:
+        raise ValueError("link_keys: required when hosts are remote: run `tandem keys DIR`, copy DIR to every "
+                         "host, and set `link_keys: DIR` (or `insecure_links: true` to leave worker links open)")
+    return None if insecure else top.get("link_keys", LOCAL_SECRET)
 
 
 def _check_roles(connector: str, hosts: list[dict[str, Any]]) -> None:
@@ -284,7 +300,8 @@ def plan(cluster: dict[str, Any]) -> tuple[Planned, list[Planned]]:
     bind = r.get("bind", "127.0.0.1" if router_local else "0.0.0.0")
     router_args = ["router", *_model_flag(r.get("model", model)), "--host", bind, "--http-port", str(r["http_port"]),
                    "--grpc-port", str(r["grpc_port"]), "--listen", f"tcp://{bind}:{r['listen_port']}", *r["args"]]
-    router = _command("router", r["host"], router_args, {}, cluster, r, "router")
+    links, secret_env = _link_security(cluster["link_keys"])
+    router = _command("router", r["host"], router_args + links, dict(secret_env), cluster, r, "router")
     registration = f"tcp://{r['host']}:{r['listen_port']}"
     workers = []
     for i, h in enumerate(cluster["hosts"]):
@@ -310,10 +327,23 @@ def plan(cluster: dict[str, Any]) -> tuple[Planned, list[Planned]]:
                     # would advertise whatever the hostname resolves to, often 127.0.1.1)
                     kv_port = spec["kv_port"] + k if spec["kv_port"] else 0
                     argv += ["--kv-listen", f"tcp://{'127.0.0.1' if local else h['host']}:{kv_port}"]
-                argv += [*engine_flags(cluster["engine"]), *spec["args"]]
-                env = {key: v.replace("{index}", str(k)) for key, v in spec["env"].items()}
+                argv += [*links, *engine_flags(cluster["engine"]), *spec["args"]]
+                env = {**secret_env, **{key: v.replace("{index}", str(k)) for key, v in spec["env"].items()}}
                 workers.append(_command(name, h["host"], argv, env, cluster, h, f"hosts[{i}].{role}"))
     return router, workers
+
+
+def _link_security(link_keys: str | None) -> tuple[list[str], dict[str, str]]:
+    """(flags, environment) that give every process the cluster's link keys."""
+    if link_keys is None:
+        return [], {}
+    if link_keys == LOCAL_SECRET:  # all local: the secret travels in the environment, never on a command line
+        import secrets
+
+        from tandem.protocol.security import SECRET_ENV
+
+        return [], {SECRET_ENV: secrets.token_hex(32)}
+    return ["--link-keys", link_keys], {}
 
 
 def _model_flag(model: str | None) -> list[str]:

@@ -8,6 +8,7 @@ import argparse
 import os
 
 from tandem.cli.engine_args import add_model_arg, resolve_model
+from tandem.cli.keys import add_link_args, apply_link_args
 from tandem.observability.cli import add_observability_args, setup_logging
 
 _POLICY_HELP = "round_robin | least_loaded | prefix_affinity, or a plugin's (see `tandem plugins`)"
@@ -52,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size (for prefix affinity)")
     p.add_argument("--affinity-blocks", type=int, default=4,
                    help="prefix_affinity keys on this many leading blocks of the prompt")
+    add_link_args(p)
     add_observability_args(p, worker=False)  # --metrics-port, --log-level, --log-prompts
     p.set_defaults(func=run)
 
@@ -65,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     setup_logging(args)
     bind_service(service="router")
+    apply_link_args(args)
     for policy in (args.decode_policy, args.prefill_policy):
         resolve_policy(policy)  # an unknown name fails here, before any port is bound
     config = RouterConfig(model=resolve_model(args.model), served_model_name=args.served_model_name, host=args.host,

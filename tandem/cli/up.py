@@ -34,6 +34,7 @@ import time
 
 from tandem.cli import cpus
 from tandem.cli.engine_args import add_engine_args, add_model_arg
+from tandem.cli.keys import add_link_args
 from tandem.cli.supervise import (
     Supervisor,
     engine_flags,
@@ -76,6 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the router ends a stream whose decode worker died instead of continuing it on another")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every worker")
     p.add_argument("--quiet", action="store_true", help="do not relay the children's logs to stderr")
+    add_link_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -105,6 +107,10 @@ def build_commands(args: argparse.Namespace, model: str) -> tuple[list[str], lis
     prefill, decode = _counts(args)
     shared = ["--model", model, "--listen", "tcp://127.0.0.1:0", *engine_flags(vars(args))]
     shared += ["--metrics-port", "0"]  # the router serves /metrics on its HTTP port; each worker on its own
+    for flag, value in (("--link-keys", args.link_keys), ("--link-secret-file", args.link_secret_file)):
+        if value is not None:  # (TANDEM_LINK_KEYS / TANDEM_LINK_SECRET reach the children by inheritance)
+            router += [flag, value]
+            shared += [flag, value]
     if sys.stderr.isatty():
         # children write into our pipes, so they would pick JSON logs; we relay them to a person
         router += ["--log-format", "console"]

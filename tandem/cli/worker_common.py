@@ -10,6 +10,7 @@ import sys
 import time
 
 from tandem.cli.engine_args import add_engine_args, add_model_arg, engine_config_from_args, resolve_model
+from tandem.cli.keys import add_link_args, apply_link_args
 from tandem.observability.cli import add_observability_args, setup_logging
 from tandem.observability.logging import bind_service
 
@@ -29,6 +30,7 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="pin this worker to these cores and use one torch thread per core: a cpuset like 0-3,8, "
                         "or i/n for slice i of n of the affinity mask (default: every core the mask allows, "
                         "capped by OMP_NUM_THREADS)")
+    add_link_args(p)
     add_engine_args(p)
     add_observability_args(p, worker=True)  # --metrics-port, --log-level, --log-prompts
 
@@ -40,8 +42,10 @@ def worker_id(args: argparse.Namespace, role: str) -> str:
 
 
 def start_logging(args: argparse.Namespace, role: str) -> None:
+    """Logging first, then link security (it logs which keys it uses), before any socket exists."""
     setup_logging(args)
     bind_service(service=role, worker_id=worker_id(args, role))
+    apply_link_args(args)
 
 
 def build_engine(args: argparse.Namespace, role: str, kv_allocator=None):

@@ -16,7 +16,7 @@ import structlog
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tandem.protocol import messages
+from tandem.protocol import messages, security
 from tandem.protocol.messages import ProtocolError
 
 log = structlog.get_logger(__name__)
@@ -27,7 +27,7 @@ PEER_HEARTBEAT_TIMEOUT_MS = 1500
 def dealer_socket(ctx: zmq.Context, address: str, send_hwm: int = 10000) -> zmq.Socket:
     """A DEALER connected to `address` that never lingers on close. The send high-water mark bounds
     what queues for a dead peer: past it, sends fail fast instead of growing memory."""
-    sock = ctx.socket(zmq.DEALER)
+    sock = security.client(ctx.socket(zmq.DEALER))
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, send_hwm)
     sock.connect(address)
@@ -42,7 +42,7 @@ def bind_socket(sock: zmq.Socket, address: str) -> str:
 
 class ControlServer:
     def __init__(self, ctx: zmq.Context, address: str) -> None:
-        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock = security.server(ctx.socket(zmq.ROUTER))
         self.sock.setsockopt(zmq.LINGER, 0)
         self.address = bind_socket(self.sock, address)
         self.bad_frames = 0
@@ -88,7 +88,7 @@ class PeerClients:
     def get(self, address: str) -> zmq.Socket:
         sock = self.socks.get(address)
         if sock is None:
-            sock = self.ctx.socket(zmq.DEALER)
+            sock = security.client(self.ctx.socket(zmq.DEALER))
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 10000)
             sock.setsockopt(zmq.HEARTBEAT_IVL, PEER_HEARTBEAT_IVL_MS)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import structlog
 import zmq
 
-from tandem.protocol import messages
+from tandem.protocol import messages, security
 from tandem.protocol.channel import dealer_socket
 from tandem.protocol.messages import ProtocolError
 
@@ -91,9 +91,11 @@ class Registrar:
         # A router that is down must not make heartbeats pile up: a few queued frames are plenty,
         # a stale heartbeat is worth nothing. The socket belongs to this thread alone.
         sock = dealer_socket(self.ctx, self.router_address, send_hwm=16)
+        watch = security.HandshakeWatch(sock, self.router_address)
         registered = False
         try:
             while True:
+                watch.check()
                 registered = self._drain_replies(sock, registered)
                 if not registered:
                     registered = self._send(sock, "register", worker_id=self.worker_id, role=self.role,
@@ -114,6 +116,7 @@ class Registrar:
         except zmq.ContextTerminated:
             return
         finally:
+            watch.close()
             sock.close(0)
 
     @staticmethod
