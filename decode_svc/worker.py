@@ -37,13 +37,15 @@ log = structlog.get_logger(__name__)
 
 
 class DecodeWorker:
-    def __init__(self, engine: LLMEngine, listen: str, receiver=None, local_prefill_threshold: int = 0,
+    def __init__(self, engine: LLMEngine, listen: str | ControlServer, receiver=None, local_prefill_threshold: int = 0,
                  prefill_timeout_s: float = 30.0, ctx: zmq.Context | None = None, registrar=None) -> None:
         """`receiver`: a KV transport's receiving half over this engine's cache, or None for a
         colocated worker that always prefills itself."""
         self.engine = engine
         self.ctx = ctx or zmq.Context.instance()
-        self.server = ControlServer(self.ctx, listen)
+        # a ControlServer is handed over when this worker takes the role over from another (role switch)
+        self.server = listen if isinstance(listen, ControlServer) else ControlServer(self.ctx, listen)
+        self.lifecycle: dict | None = None  # a `set_role` / `drain` from the router, acted on by serve()
         self.peers = PeerClients(self.ctx)
         self.traces = Traces()
         self._trace = self.traces.record
@@ -124,6 +126,8 @@ class DecodeWorker:
             self.server.reply(identity, "stats_reply", stats=self.stats_dict())
         elif kind == "trace":
             self.server.reply(identity, "trace_reply", id=msg["id"], events=self.traces.get(msg["id"]))
+        elif kind in ("set_role", "drain"):
+            self.lifecycle = msg
         else:
             self.server.reply(identity, "error", id=msg.get("id"), message=f"a decode worker does not accept {kind!r}")
 
@@ -195,8 +199,13 @@ class DecodeWorker:
             out["local_prefills"] = self.added
         return out
 
-    def close(self) -> None:
-        self.server.close()
+    def release_role(self) -> None:
+        """Close what only the decode role uses (peer links, the KV receiver); the engine and control
+        socket stay."""
         self.peers.close()
         if self.kv is not None:
             self.kv.close()
+
+    def close(self) -> None:
+        self.release_role()
+        self.server.close()

@@ -33,11 +33,13 @@ log = structlog.get_logger(__name__)
 
 
 class PrefillWorker:
-    def __init__(self, engine: LLMEngine, listen: str, sender, ctx: zmq.Context | None = None,
+    def __init__(self, engine: LLMEngine, listen: str | ControlServer, sender, ctx: zmq.Context | None = None,
                  registrar=None) -> None:
         self.engine = engine
         self.ctx = ctx or zmq.Context.instance()
-        self.server = ControlServer(self.ctx, listen)
+        # a ControlServer is handed over when this worker takes the role over from another (role switch)
+        self.server = listen if isinstance(listen, ControlServer) else ControlServer(self.ctx, listen)
+        self.lifecycle: dict | None = None  # a `set_role` / `drain` from the router, acted on by serve()
         self.sender = sender
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-handshake")
         # destination -> (its receiver instance, connect()); connect() is idempotent once it succeeded
@@ -101,6 +103,8 @@ class PrefillWorker:
             self.server.reply(identity, "stats_reply", stats=self.stats_dict())
         elif kind == "trace":
             self.server.reply(identity, "trace_reply", id=msg["id"], events=self.traces.get(msg["id"]))
+        elif kind in ("set_role", "drain"):
+            self.lifecycle = msg
         else:
             self.server.reply(identity, "error", id=msg.get("id"), message=f"a prefill worker does not accept {kind!r}")
 
@@ -163,7 +167,11 @@ class PrefillWorker:
         out.update(kv_bytes_sent=st.bytes_sent, kv_transfers=st.transfers, kv_transfer_failures=st.failures)
         return out
 
-    def close(self) -> None:
+    def release_role(self) -> None:
+        """Close what only the prefill role uses (the KV sender); the engine and control socket stay."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self.server.close()
         self.sender.close()
+
+    def close(self) -> None:
+        self.release_role()
+        self.server.close()

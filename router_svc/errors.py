@@ -78,3 +78,19 @@ class WorkerLost(RouterError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
     error_type = "service_unavailable"
     code = "worker_lost"
+
+
+class NotFound(RouterError):
+    http_status = 404
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    error_type = "invalid_request_error"
+    code = "not_found"
+
+
+class Conflict(RouterError):
+    """The request is valid but the cluster's state forbids it now (e.g. draining the last worker of a role)."""
+
+    http_status = 409
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+    error_type = "invalid_request_error"
+    code = "conflict"

@@ -39,6 +39,9 @@ MIGRATIONS = Counter("tandem_router_migrations_total",
                      "Streams moved mid-way to another decode worker (prompt + tokens sent so far) after "
                      "theirs was lost")
 WORKERS = Gauge("tandem_router_workers", "Live workers known to the router", ["role"])
+ROLE_CHANGES = Counter("tandem_router_role_changes_total", "Workers asked to move to the other role (admin API or "
+                       "--rebalance)", ["from_role", "to_role", "by"])
+DRAINS = Counter("tandem_router_drains_total", "Workers asked to drain and exit through the admin API", ["role"])
 WORKERS_LOST = Counter("tandem_router_workers_lost_total", "Workers removed for missing heartbeats", ["role"])
 WORKERS_HUNG = Counter("tandem_router_workers_hung_total",
                        "Workers declared hung: heartbeating, but no engine-loop progress for the hung timeout",

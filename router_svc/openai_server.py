@@ -17,9 +17,10 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router_svc import metrics
+from router_svc.admin import Admin
 from router_svc.auth import key_matches
 from router_svc.core import Router
-from router_svc.errors import BadRequest, Overloaded, RouterError
+from router_svc.errors import BadRequest, NotFound, Overloaded, RouterError
 from router_svc.http_server import Request, Response
 from router_svc.openai_api import (
     Totals,
@@ -36,15 +37,17 @@ from tandem.observability.logging import bind_request
 
 
 class OpenAIApp:
-    def __init__(self, router: Router, registry: Registry, model: ServedModel, api_key: str | None = None) -> None:
+    def __init__(self, router: Router, registry: Registry, model: ServedModel, api_key: str | None = None,
+                 admin: Admin | None = None) -> None:
         self.router = router
         self.registry = registry
+        self.admin = admin  # /admin/* (router_svc/admin.py); None: off
         self.api_key = api_key  # /v1/* need `Authorization: Bearer <key>`; /health and /metrics stay open
         self.model = model
 
     async def __call__(self, request: Request, response: Response) -> None:
         route = (request.method, request.path.rstrip("/") or "/")
-        if self.api_key and request.path.startswith("/v1") and not key_matches(
+        if self.api_key and request.path.startswith(("/v1", "/admin")) and not key_matches(
                 request.headers.get("authorization", ""), self.api_key):
             await response.json(401, {"error": {"message": "missing or wrong API key: send 'Authorization: Bearer "
                                                            "<key>'", "type": "invalid_request_error",
@@ -64,6 +67,8 @@ class OpenAIApp:
                 await response.json(exc.http_status, exc.openai_body())
                 return
             await response.json(200, self._model_card())
+        elif request.path.startswith("/admin/"):
+            await self.admin_route(request, response)
         elif route == ("GET", "/health"):
             await self.health(response)
         elif route == ("GET", "/metrics"):
@@ -72,6 +77,29 @@ class OpenAIApp:
             await _fail(response, RouterError(f"method {request.method} is not allowed on {request.path}"), 405)
         else:
             await _fail(response, RouterError(f"no route {request.method} {request.path}"), 404)
+
+    async def admin_route(self, request: Request, response: Response) -> None:
+        parts = request.path.strip("/").split("/")  # admin, workers[, id, action]
+        try:
+            if self.admin is None:
+                raise NotFound("the admin API is off: start the router with --enable-admin")
+            if request.method == "GET" and parts == ["admin", "workers"]:
+                await response.json(200, self.admin.workers())
+            elif request.method == "POST" and len(parts) == 4 and parts[:2] == ["admin", "workers"]:
+                if parts[3] == "drain":
+                    await response.json(202, self.admin.drain(parts[2]))
+                elif parts[3] == "role":
+                    try:
+                        body = request.json()
+                    except (ValueError, UnicodeDecodeError):
+                        raise BadRequest("the request body is not valid JSON") from None
+                    await response.json(202, self.admin.set_role(parts[2], body))
+                else:
+                    raise NotFound(f"no route {request.method} {request.path}")
+            else:
+                raise NotFound(f"no route {request.method} {request.path}")
+        except RouterError as exc:
+            await _fail(response, exc)
 
     def _model_card(self) -> dict:
         return {"id": self.model.name, "object": "model", "created": self.model.created, "owned_by": "tandem",

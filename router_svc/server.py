@@ -23,6 +23,7 @@ import zmq.asyncio
 from prometheus_client import REGISTRY
 
 from router_svc import metrics
+from router_svc.admin import Admin
 from router_svc.core import Router
 from router_svc.grpc_api import set_health, start_grpc
 from router_svc.http_server import HttpServer
@@ -62,6 +63,7 @@ class RouterConfig:
     affinity_blocks: int = 4
     tick_s: float = 0.1
     metrics_port: int | None = None  # also serve /metrics here (0 = any free port)
+    enable_admin: bool = False  # /admin/workers: drain and role switches (router_svc/admin.py)
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "block_size", "affinity_blocks"):
@@ -97,7 +99,8 @@ class RouterService:
             for address in addresses:
                 self.registry.add_static(role, address)
         self.listen = ListenSocket(self.ctx, cfg.listen)
-        self.http = HttpServer(OpenAIApp(self.router, self.registry, self.model, cfg.api_key),
+        admin = Admin(self.registry, self.links.send) if cfg.enable_admin else None
+        self.http = HttpServer(OpenAIApp(self.router, self.registry, self.model, cfg.api_key, admin),
                                max_connections=4 * cfg.max_inflight + 64)
         ssl_ctx, tls = _tls(cfg)
         http_port = await self.http.start(cfg.host, cfg.http_port, ssl_ctx)

@@ -46,6 +46,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                    help="require this key on the OpenAI API (Authorization: Bearer KEY) and gRPC Generate "
                         "(metadata authorization: Bearer KEY); default $TANDEM_API_KEY. /health and /metrics stay open")
+    p.add_argument("--enable-admin", action="store_true",
+                   help="serve /admin/workers: drain a worker, or move it to the other role without a restart "
+                        "(behind --api-key when set)")
     p.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM) for HTTP and gRPC")
     p.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM) for HTTP and gRPC")
     p.add_argument("--static-timeout", type=float, default=3.0,
@@ -79,6 +82,6 @@ def run(args: argparse.Namespace) -> int:
                           drain_timeout_s=args.drain_timeout, api_key=args.api_key or None,
                           ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                           block_size=args.block_size, affinity_blocks=args.affinity_blocks,
-                          metrics_port=args.metrics_port)
+                          metrics_port=args.metrics_port, enable_admin=args.enable_admin)
     asyncio.run(serve(config))
     return 0

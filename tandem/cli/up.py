@@ -75,6 +75,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM) for the router's HTTP and gRPC")
     p.add_argument("--no-migration", dest="migrate", action="store_false",
                    help="the router ends a stream whose decode worker died instead of continuing it on another")
+    p.add_argument("--enable-admin", action="store_true",
+                   help="the router serves /admin/workers (drain, role switch; see `tandem router --help`)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every worker")
     p.add_argument("--quiet", action="store_true", help="do not relay the children's logs to stderr")
     add_link_args(p)
@@ -104,6 +106,8 @@ def build_commands(args: argparse.Namespace, model: str) -> tuple[list[str], lis
             router += [flag, str(value)]
     if not args.migrate:
         router.append("--no-migration")
+    if args.enable_admin:
+        router.append("--enable-admin")
     prefill, decode = _counts(args)
     shared = ["--model", model, "--listen", "tcp://127.0.0.1:0", *engine_flags(vars(args))]
     shared += ["--metrics-port", "0"]  # the router serves /metrics on its HTTP port; each worker on its own

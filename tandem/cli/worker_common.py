@@ -1,4 +1,6 @@
-"""Flags and start-up shared by the worker commands (`tandem decode`, `tandem prefill`)."""
+"""The worker commands (`tandem decode`, `tandem prefill`): their flags, start-up, and the serving
+loop with its two ways out — drain and exit (SIGTERM or the router's `drain`), or drain and take the
+other role (the router's `set_role`, tandem/cli/roles.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,14 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--advertise", default=None, help="control address the router should use (default: the bound one)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds to finish the requests in flight before exiting (0: stop at once)")
+    # The decode role's flags: every worker takes them, since a worker can be switched to that role.
+    p.add_argument("--kv-listen", default=None,
+                   help="decode role: address the KV receiver binds (default: the control host, a free port)")
+    p.add_argument("--local-prefill-threshold", type=int, default=32,
+                   help="decode role: prefill here instead of remotely when fewer prompt tokens than this are "
+                        "uncached")
+    p.add_argument("--prefill-timeout", type=float, default=30.0,
+                   help="decode role: seconds without KV progress before recomputing a prompt locally")
     p.add_argument("--cpus", default=None, metavar="CPUSET|i/n",
                    help="pin this worker to these cores and use one torch thread per core: a cpuset like 0-3,8, "
                         "or i/n for slice i of n of the affinity mask (default: every core the mask allows, "
@@ -63,10 +73,42 @@ def make_registrar(args: argparse.Namespace, role: str, control_address: str, mo
         return None
     import zmq
 
+    from tandem.cli.roles import switchable
     from tandem.protocol.registration import Registrar
 
-    return Registrar(zmq.Context.instance(), args.router, worker_id(args, role), role,
-                     args.advertise or control_address, model)
+    registrar = Registrar(zmq.Context.instance(), args.router, worker_id(args, role), role,
+                          args.advertise or control_address, model)
+    registrar.extra_stats["switchable"] = switchable(args)  # the router refuses role switches it cannot do
+    return registrar
+
+
+def run_worker(args: argparse.Namespace, role: str) -> int:
+    """`tandem prefill` / `tandem decode`: engine, transport, worker, registration, metrics, serve."""
+    from tandem.cli import roles
+    from tandem.observability.cli import setup_worker_observability
+
+    start_logging(args, role)
+    if args.local_prefill_threshold < 0:
+        raise ValueError("--local-prefill-threshold must be >= 0")
+    if args.prefill_timeout <= 0:
+        raise ValueError("--prefill-timeout must be > 0")
+    transport = roles.make_transport(args)
+    if role == "prefill" and transport is None:
+        raise ValueError("a prefill worker needs a KV connector (zmq, shm or torch_dist)")
+    # A decode worker's engine allocates its KV cache once, where the transport wants it (shm: shared
+    # memory); the receiver then writes arriving blocks straight into it.
+    allocator = transport.allocate_kv_caches if transport is not None and role == "decode" else None
+    engine = build_engine(args, role=role, kv_allocator=allocator)
+    worker = roles.build_worker(role, engine, args, args.listen, transport)
+    worker.registrar = make_registrar(args, role, worker.address, engine.config.model)
+    colocated = role == "decode" and transport is None  # metrics role "both": it prefills too
+    metrics = setup_worker_observability(args, worker, "both" if colocated else role, worker_id(args, role))
+    addresses = {"control": worker.address}
+    if role == "decode":  # its KV receiver (none when colocated)
+        addresses["kv"] = worker.kv.receiver.address if worker.kv is not None else None
+    announce(role, **addresses, metrics=metrics)
+    return serve(worker, args.drain_timeout,
+                 switch=lambda old, new_role: roles.switch(old, new_role, args, transport))
 
 
 def announce(role: str, **addresses: str | None) -> None:
@@ -81,14 +123,17 @@ def announce(role: str, **addresses: str | None) -> None:
     print(f"tandem-{role}-ready " + json.dumps(info), flush=True)
 
 
-def serve(worker, drain_timeout_s: float = 30.0) -> int:
-    """Run until SIGTERM/SIGINT, then drain: heartbeats tell the router to route nothing new here,
-    the requests in flight finish, and the worker deregisters, closes its sockets (and shared
-    memory) and exits 0. After `drain_timeout_s`, or on a second signal, it stops at once (the
-    router migrates what is left)."""
+def serve(worker, drain_timeout_s: float = 30.0, switch=None) -> int:
+    """Run until SIGTERM/SIGINT or the router's `drain`, then drain: heartbeats tell the router to
+    route nothing new here, the requests in flight finish, and the worker deregisters, closes its
+    sockets (and shared memory) and exits 0. After `drain_timeout_s`, or on a second signal, it
+    stops at once (the router migrates what is left). The router's `set_role` drains the same way
+    (without a deadline: nothing is cut short), then `switch(worker, role)` returns the worker of
+    the other role, and serving goes on."""
     deadline: list[float] = []
+    switching: list[str] = []
 
-    def _signal(*_):
+    def drain(reason: str) -> None:
         if deadline or drain_timeout_s <= 0:
             worker.stop()
             return
@@ -96,15 +141,37 @@ def serve(worker, drain_timeout_s: float = 30.0) -> int:
         if worker.registrar is not None:
             worker.registrar.draining = True
         print(f"draining: finishing the requests in flight (at most {drain_timeout_s:.0f}s; "
-              "a second signal stops now)", file=sys.stderr, flush=True)
+              f"a second signal stops now) [{reason}]", file=sys.stderr, flush=True)
 
-    signal.signal(signal.SIGTERM, _signal)
-    signal.signal(signal.SIGINT, _signal)
+    def done() -> bool:
+        request, worker.lifecycle = worker.lifecycle, None
+        if request is not None and request["type"] == "drain":
+            drain("the router asked")
+        elif request is not None and not deadline and not switching:
+            if switch is None or request["role"] not in ("prefill", "decode") or not worker_switchable(worker):
+                print(f"ignored a switch to role {request['role']!r}: this worker cannot switch", file=sys.stderr)
+            elif request["role"] != worker.registrar.role:
+                switching.append(request["role"])
+                worker.registrar.draining = True
+        if deadline:
+            return worker.idle() or time.monotonic() > deadline[0]
+        return bool(switching) and worker.idle()
+
+    signal.signal(signal.SIGTERM, lambda *_: drain("signal"))
+    signal.signal(signal.SIGINT, lambda *_: drain("signal"))
     try:
-        worker.run(until=lambda: bool(deadline) and (worker.idle() or time.monotonic() > deadline[0]))
+        while True:
+            worker.run(until=done)
+            if not switching or deadline or worker._stopped:
+                break
+            worker = switch(worker, switching.pop())
     finally:
         if worker.registrar is not None:
             worker.registrar.close()  # stop the liveness thread before the sockets go
         worker.close()
         sys.stdout.flush()
     return 0
+
+
+def worker_switchable(worker) -> bool:
+    return worker.registrar is not None and bool(worker.registrar.extra_stats.get("switchable"))

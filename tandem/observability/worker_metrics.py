@@ -42,9 +42,12 @@ class WorkerMetrics:
         self.role, self.worker_id = role, worker_id
         self.registry = registry if registry is not None else CollectorRegistry()
         lv = (role, worker_id)
+        self._families: dict[str, Histogram] = {}  # attribute -> its family, to label again on a role switch
 
         def hist(name: str, doc: str, buckets: tuple) -> Any:
-            return Histogram(name, doc, LABELS, registry=self.registry, buckets=buckets).labels(*lv)
+            family = Histogram(name, doc, LABELS, registry=self.registry, buckets=buckets)
+            self._families[name] = family
+            return family.labels(*lv)
 
         self.step_seconds = hist("tandem_engine_step_duration_seconds",
                                  "Wall time of one engine step (schedule, forward, sample, update)", STEP_BUCKETS)
@@ -57,11 +60,25 @@ class WorkerMetrics:
         self.transfer_seconds = hist("tandem_kv_transfer_duration_seconds",
                                      "Decode side: first KV layer received to the request's KV complete",
                                      TIME_BUCKETS)
-        self.registry.register(_StatsCollector(lv, role, stats_fn, spec_fn))
+        self._stats = _StatsCollector(lv, role, stats_fn, spec_fn)
+        self.registry.register(self._stats)
         self._queue: dict[str, float] = {}  # request id -> its queue time (seconds), once started
         self._forget: list[str] = []
         self.last_step = time.monotonic()
         self.steps = 0
+
+    def switch_role(self, role: str, stats_fn: Callable[[], dict[str, Any]]) -> None:
+        """The worker now serves `role` (tandem/cli/roles.py): new samples carry the new role label.
+        The old role's histograms keep their last values; the stats-backed series follow the new role."""
+        self.role = role
+        lv = (role, self.worker_id)
+        for attr, name in (("step_seconds", "tandem_engine_step_duration_seconds"),
+                           ("batch_requests", "tandem_engine_step_batch_requests"),
+                           ("batch_tokens", "tandem_engine_step_batch_tokens"),
+                           ("queue_seconds", "tandem_worker_queue_time_seconds"),
+                           ("transfer_seconds", "tandem_kv_transfer_duration_seconds")):
+            setattr(self, attr, self._families[name].labels(*lv))
+        self._stats.lv, self._stats.role, self._stats.stats_fn = list(lv), role, stats_fn
 
     # ---- called from the worker loop -------------------------------------------------------------
     def step_done(self, schedule: Any, t0: float, outputs: Iterable[Any] = ()) -> None:

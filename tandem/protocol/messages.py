@@ -123,8 +123,18 @@ class Deregister:
     worker_id: Id
 
 
+@message("set_role")
+class SetRole:
+    role: Text  # router -> worker: drain the current role, then register and serve in this one
+
+
+@message("drain")
+class Drain:
+    pass  # router -> worker: as SIGTERM: finish what is in flight, deregister, exit 0
+
+
 CONTROL = frozenset({"add_request", "abort", "output", "error", "prefill", "prefill_failed", "stats", "stats_reply",
-                     "trace", "trace_reply", "register", "heartbeat", "deregister"})
+                     "trace", "trace_reply", "register", "heartbeat", "deregister", "set_role", "drain"})
 
 
 def encode(msg_type: str, **fields: Any) -> bytes:

@@ -55,6 +55,8 @@ class Registrar:
         self.interval_s = interval_s
         self.heartbeats_sent = 0
         self.draining = False  # set on SIGTERM: heartbeats tell the router to route nothing new here
+        self.extra_stats: dict[str, Any] = {}  # constant facts sent with every heartbeat (e.g. switchable)
+        self._new_role: str | None = None  # a role switch: deregister, then register in this role
         # Written by the engine loop, read by the liveness thread: single reference assignments.
         self._snapshot: dict[str, Any] = {}
         self._last_loop = time.monotonic()
@@ -97,6 +99,10 @@ class Registrar:
             while True:
                 watch.check()
                 registered = self._drain_replies(sock, registered)
+                if self._new_role is not None:
+                    if registered:
+                        self._send(sock, "deregister", worker_id=self.worker_id)
+                    self.role, self._new_role, registered, self.draining = self._new_role, None, False, False
                 if not registered:
                     registered = self._send(sock, "register", worker_id=self.worker_id, role=self.role,
                                             control_address=self.control_address, model=self.model,
@@ -104,8 +110,8 @@ class Registrar:
                     if registered:
                         log.info("registering with router", router=self.router_address, worker_id=self.worker_id,
                                  role=self.role, address=self.control_address)
-                stats = {**self._snapshot, "loop_age_s": round(time.monotonic() - self._last_loop, 3),
-                         "loops": self._loops, "draining": self.draining}
+                stats = {**self._snapshot, **self.extra_stats, "loops": self._loops, "draining": self.draining,
+                         "loop_age_s": round(time.monotonic() - self._last_loop, 3)}
                 if self._send(sock, "heartbeat", worker_id=self.worker_id, stats=stats):
                     self.heartbeats_sent += 1
                 if self._stop.wait(self.interval_s):
@@ -143,6 +149,16 @@ class Registrar:
             if msg["type"] == "error":
                 log.info("router asked us to register again", message=msg["message"])
                 registered = False
+
+    def switch_role(self, role: str) -> None:
+        """The worker now serves `role`: the liveness thread deregisters and registers again in it
+        (and the heartbeats stop saying draining). A worker without a thread yet just registers so."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if self._thread is None:
+            self.role, self.draining = role, False
+        else:
+            self._new_role = role
 
     def close(self) -> None:
         self._stop.set()
