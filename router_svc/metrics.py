@@ -130,12 +130,17 @@ def outcome_of(exc: BaseException | None, finish_reason: str | None = None) -> t
     return "error", "internal"
 
 
+SLO: Any = None  # router_svc.slo.SloTracker when --ttft-slo / --itl-slo are given (set by the server)
+
+
 def request_ended(api: str, ended_by: BaseException | None, stream: Any, request_id: str | None) -> None:
     """Count the request and write its one info line (request_id is bound by the front end)."""
     flight = stream.flight if stream is not None else None
     st: FlightStats | None = flight.stats if flight is not None else None
     outcome, reason = outcome_of(ended_by, st.finish_reason if st else None)
     REQUESTS.labels(api, outcome, reason).inc()
+    if SLO is not None and flight is not None and st is not None and outcome == "finished" and st.first_token_at:
+        SLO.judge(flight.started, st.first_token_at, st.last_token_at, flight.tokens_out)
     fields: dict[str, Any] = {"api": api, "outcome": outcome, "reason": reason}
     if flight is not None:
         st = flight.stats

@@ -30,7 +30,9 @@ from router_svc.http_server import HttpServer
 from router_svc.links import ListenSocket, WorkerLinks
 from router_svc.openai_server import OpenAIApp
 from router_svc.prompts import ServedModel
+from router_svc.rebalance import Rebalancer
 from router_svc.registry import Registry
+from router_svc.slo import SloTracker
 from tandem.engine.strategies import resolve_routing_policy as resolve_policy
 from tandem.protocol import security
 
@@ -64,6 +66,9 @@ class RouterConfig:
     tick_s: float = 0.1
     metrics_port: int | None = None  # also serve /metrics here (0 = any free port)
     enable_admin: bool = False  # /admin/workers: drain and role switches (router_svc/admin.py)
+    ttft_slo_s: float | None = None  # judge every request against these (router_svc/slo.py)
+    itl_slo_s: float | None = None
+    rebalance: bool = False  # move workers between roles from the SLO signals (router_svc/rebalance.py)
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "block_size", "affinity_blocks"):
@@ -71,6 +76,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
+        if self.rebalance and not (self.ttft_slo_s and self.itl_slo_s):
+            raise ValueError("--rebalance needs both --ttft-slo and --itl-slo: they are what it balances")
         for name in ("static_timeout_s", "heartbeat_misses", "hung_timeout_s", "tick_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -88,6 +95,7 @@ class RouterService:
         self._tasks: list[asyncio.Task] = []
         self._metrics_server: Any = None  # MetricsServer on --metrics-port
         self._collector: metrics.WorkerCollector | None = None
+        self.rebalancer: Rebalancer | None = None
 
     async def start(self) -> dict[str, str]:
         cfg = self.config
@@ -99,8 +107,11 @@ class RouterService:
             for address in addresses:
                 self.registry.add_static(role, address)
         self.listen = ListenSocket(self.ctx, cfg.listen)
-        admin = Admin(self.registry, self.links.send) if cfg.enable_admin else None
-        self.http = HttpServer(OpenAIApp(self.router, self.registry, self.model, cfg.api_key, admin),
+        admin = Admin(self.registry, self.links.send)
+        metrics.SLO = SloTracker(cfg.ttft_slo_s, cfg.itl_slo_s) if cfg.ttft_slo_s or cfg.itl_slo_s else None
+        self.rebalancer = Rebalancer(self.registry, admin, metrics.SLO) if cfg.rebalance else None
+        self.http = HttpServer(OpenAIApp(self.router, self.registry, self.model, cfg.api_key,
+                                         admin if cfg.enable_admin else None),
                                max_connections=4 * cfg.max_inflight + 64)
         ssl_ctx, tls = _tls(cfg)
         http_port = await self.http.start(cfg.host, cfg.http_port, ssl_ctx)
@@ -158,6 +169,8 @@ class RouterService:
                 for worker in self.registry.expire(now):
                     self._lost(worker)
             last = now
+            if self.rebalancer is not None:
+                self.rebalancer.tick(now)
             if tick % poll_every == 0:
                 for worker in self.registry.statics():
                     self.links.try_send(worker.address, "stats")

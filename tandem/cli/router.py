@@ -46,6 +46,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                    help="require this key on the OpenAI API (Authorization: Bearer KEY) and gRPC Generate "
                         "(metadata authorization: Bearer KEY); default $TANDEM_API_KEY. /health and /metrics stay open")
+    p.add_argument("--ttft-slo", type=float, default=None, metavar="SECONDS",
+                   help="judge every request's time to first token against this (SLO and goodput metrics)")
+    p.add_argument("--itl-slo", type=float, default=None, metavar="SECONDS",
+                   help="judge every request's mean inter-token latency against this")
+    p.add_argument("--rebalance", action="store_true",
+                   help="move workers between the prefill and decode roles when one role's SLO is missed while the "
+                        "other has headroom (needs --ttft-slo and --itl-slo; zmq workers)")
     p.add_argument("--enable-admin", action="store_true",
                    help="serve /admin/workers: drain a worker, or move it to the other role without a restart "
                         "(behind --api-key when set)")
@@ -82,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
                           drain_timeout_s=args.drain_timeout, api_key=args.api_key or None,
                           ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                           block_size=args.block_size, affinity_blocks=args.affinity_blocks,
-                          metrics_port=args.metrics_port, enable_admin=args.enable_admin)
+                          metrics_port=args.metrics_port, enable_admin=args.enable_admin,
+                          ttft_slo_s=args.ttft_slo, itl_slo_s=args.itl_slo, rebalance=args.rebalance)
     asyncio.run(serve(config))
     return 0

@@ -77,6 +77,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the router ends a stream whose decode worker died instead of continuing it on another")
     p.add_argument("--enable-admin", action="store_true",
                    help="the router serves /admin/workers (drain, role switch; see `tandem router --help`)")
+    p.add_argument("--ttft-slo", type=float, default=None, help="the router's TTFT target in seconds (SLO metrics)")
+    p.add_argument("--itl-slo", type=float, default=None, help="the router's mean inter-token latency target")
+    p.add_argument("--rebalance", action="store_true",
+                   help="the router moves workers between roles from the SLO signals (see `tandem router --help`)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every worker")
     p.add_argument("--quiet", action="store_true", help="do not relay the children's logs to stderr")
     add_link_args(p)
@@ -106,8 +110,12 @@ def build_commands(args: argparse.Namespace, model: str) -> tuple[list[str], lis
             router += [flag, str(value)]
     if not args.migrate:
         router.append("--no-migration")
-    if args.enable_admin:
-        router.append("--enable-admin")
+    for flag, on in (("--enable-admin", args.enable_admin), ("--rebalance", args.rebalance)):
+        if on:
+            router.append(flag)
+    for flag, value in (("--ttft-slo", args.ttft_slo), ("--itl-slo", args.itl_slo)):
+        if value is not None:
+            router += [flag, str(value)]
     prefill, decode = _counts(args)
     shared = ["--model", model, "--listen", "tcp://127.0.0.1:0", *engine_flags(vars(args))]
     shared += ["--metrics-port", "0"]  # the router serves /metrics on its HTTP port; each worker on its own
