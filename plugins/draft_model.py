@@ -21,6 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from kernels import get_ops
 from plugins.eviction import LRUEviction
 from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.model_runner import position_seed
 from tandem.engine.request import Request
 from tandem.engine.sampler import filter_logits
 from tandem.layers.attention import AttentionMetadata
@@ -136,6 +137,8 @@ class DraftModelRunner:
                 tokens[r.request_id].append(greedy[i])
                 continue
             q = filter_logits(logits[i].float().cpu(), r.params)
+            if r.generator is not None:  # drafts of a seeded request depend on its tokens alone (migration)
+                r.generator.manual_seed(position_seed(r.params.seed, r.num_tokens + len(tokens[r.request_id]), 1))
             tokens[r.request_id].append(int(torch.multinomial(q, 1, generator=r.generator or self.generator)))
             probs[r.request_id].append(q)
 

@@ -18,8 +18,9 @@
    request that has not handed any token to its client yet is dispatched again on another D. One
    that has is *migrated*: the prompt plus the tokens already streamed go to another D as its
    prompt, with the remaining max_tokens, and the client's stream continues with no gap — greedy
-   output is identical to an uninterrupted run (seeded sampling restarts its generator there, and a
-   stop string that straddles the switch is not seen). With migration off, or no D left, it ends
+   output is identical to an uninterrupted run, and so is seeded sampling (each step draws from
+   (seed, sequence length): tandem/engine/model_runner.position_seed); a stop string that straddles
+   the switch is not seen. With migration off, or no D left, it ends
    with WorkerLost — a clear error, never a hung stream. A D that is merely slow (a long step) is
    not lost: it gets fewer new requests (`Registry.routable`) and keeps its streams.
 """

@@ -153,11 +153,12 @@ def grpc_stub(target: str):
     return generation_pb2_grpc.GenerationStub(grpc.insecure_channel(target))
 
 
-def stream_completion_text(http: str, prompt: str, max_tokens: int, on_chunk=None) -> tuple[str, str | None]:
-    """Stream one greedy completion (ignore_eos) over SSE: (text, error message or None).
-    `on_chunk(n)` is called after the n-th text chunk arrived (n from 1)."""
+def stream_completion_text(http: str, prompt: str, max_tokens: int, on_chunk=None,
+                           **sampling) -> tuple[str, str | None]:
+    """Stream one completion (greedy unless `sampling` says otherwise; ignore_eos) over SSE: (text,
+    error message or None). `on_chunk(n)` is called after the n-th text chunk arrived (n from 1)."""
     body = {"model": "tiny-target", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, **sampling}
     req = urllib.request.Request(f"{http}/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     text, error, chunks = "", None, 0

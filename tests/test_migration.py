@@ -32,9 +32,9 @@ MAX_TOKENS = 120
 KILL_AFTER_CHUNKS = 30
 
 
-def stream_and_kill(http: str, workers: dict[str, Proc]) -> tuple[str, str | None, str]:
-    """Stream one greedy completion; after KILL_AFTER_CHUNKS chunks SIGKILL the worker serving it.
-    Returns (text, error message or None, the killed worker's name)."""
+def stream_and_kill(http: str, workers: dict[str, Proc], **sampling) -> tuple[str, str | None, str]:
+    """Stream one completion (greedy unless `sampling`); after KILL_AFTER_CHUNKS chunks SIGKILL the
+    worker serving it. Returns (text, error message or None, the killed worker's name)."""
     killed: list[str] = []
 
     def on_chunk(n: int) -> None:
@@ -45,7 +45,7 @@ def stream_and_kill(http: str, workers: dict[str, Proc]) -> tuple[str, str | Non
             killed.append(busy[0])
             workers[busy[0]].popen.kill()
 
-    text, error = stream_completion_text(http, PROMPT, MAX_TOKENS, on_chunk)
+    text, error = stream_completion_text(http, PROMPT, MAX_TOKENS, on_chunk, **sampling)
     return text, error, killed[0] if killed else ""
 
 
@@ -76,6 +76,32 @@ def test_killed_decode_worker_mid_stream(tmp_path, expected, migrate):
         else:
             assert error is not None and "stopped responding" in error and text and expected.startswith(text)
         assert time.monotonic() - t0 < 60
+    finally:
+        stop_all(procs)
+
+
+def test_seeded_sampling_continues_exactly_after_migration(tmp_path):
+    """A seeded temperature-1 stream migrated mid-way equals the uninterrupted seeded run: each
+    step's draws depend on (seed, sequence length) only, and the migrated request holds the same sequence."""
+    from tandem import LLM, SamplingParams
+
+    params = {"temperature": 1.0, "top_p": 0.95, "seed": 1234}
+    llm = LLM(str(TARGET_DIR))
+    expected = llm.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **params))[0].text
+    other = llm.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                  **{**params, "seed": 4321}))[0].text
+    assert other != expected  # the seed matters, so equality below is not luck
+    router = start_router("router", str(TARGET_DIR), tmp_path)
+    procs = [router]
+    try:
+        ep = router_endpoints(router)
+        workers = {name: start_colocated_decode(name, ep["listen"], tmp_path, delay=0.02) for name in ("d1", "d2")}
+        procs += workers.values()
+        wait_workers(ep["http"], decode=2)
+        text, error, killed = stream_and_kill(ep["http"], workers, **params)
+        assert killed and error is None, error
+        assert metric_value(ep["http"], "tandem_router_migrations_total") == 1
+        assert text == expected
     finally:
         stop_all(procs)
 

@@ -95,6 +95,8 @@ class ModelRunner:
         per_req, sampled, plain, offset = {}, {}, [], 0
         for s, _, k in sample_rows:
             rid, r = s.request.request_id, s.request
+            if r.generator is not None:  # a seeded request draws from (seed, position): see position_seed
+                r.generator.manual_seed(position_seed(r.params.seed, r.num_tokens))
             if not s.spec_token_ids:
                 plain.append((r, offset))
                 per_req[rid] = logits[offset:offset + 1]
@@ -157,3 +159,12 @@ def _decode_group(scheduled: list[ScheduledRequest]) -> tuple[int, list[Schedule
         return 0, []
     q = lens.most_common(1)[0][0]
     return q, [s for s in scheduled if eligible(s) and s.num_new_tokens == q]
+
+
+def position_seed(seed: int, num_tokens: int, stream: int = 0) -> int:
+    """The generator seed of a seeded request's sampling step that starts at sequence length
+    `num_tokens`. A function of the sequence alone, not of the generator's history, so the same
+    request continued elsewhere from the same tokens (the router's mid-stream migration, which sends
+    prompt + tokens so far) draws exactly what it would have drawn uninterrupted. `stream` keeps
+    independent draws apart (a draft model's proposals: 1; the target's sampling: 0)."""
+    return hash((seed, num_tokens, stream)) & 0x7FFF_FFFF_FFFF_FFFF  # int tuples hash alike in every process
