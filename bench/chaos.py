@@ -2,6 +2,7 @@
 
     python -m bench.chaos [--model DIR] [--prefill 2] [--decode 2] [--clients 4] [--seconds 600]
                           [--kill-every 30] [--stop-share 0.3] [--stop-seconds 5] [--seed 0] [--out FILE]
+                          [--up-arg=ARG ...]
 
 Starts `tandem up` (workers restart themselves under its supervision), keeps `--clients` greedy
 streaming completions in flight over the OpenAI HTTP API, and every `--kill-every` seconds faults
@@ -118,12 +119,15 @@ def main() -> int:
     ap.add_argument("--stop-seconds", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--up-arg", action="append", default=[], metavar="ARG",
+                    help="extra `tandem up` argument (repeat), e.g. --up-arg=--link-secret-file --up-arg=FILE")
     a = ap.parse_args()
     rng = random.Random(a.seed)
     expected = expected_answers(a.model)
     log = tempfile.NamedTemporaryFile("w+", prefix="chaos-up-", suffix=".log", delete=False)
     up = subprocess.Popen([sys.executable, "-m", "tandem.cli", "up", "--model", a.model, "--prefill", str(a.prefill),
-                           "--decode", str(a.decode), "--http-port", "0", "--grpc-port", "0", "--quiet"],
+                           "--decode", str(a.decode), "--http-port", "0", "--grpc-port", "0", "--quiet",
+                           *a.up_arg],
                           stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     results: list[tuple[float, str, str | None, str]] = []  # (seconds, prompt, error, text)
     lock, stop = threading.Lock(), threading.Event()
