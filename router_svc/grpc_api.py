@@ -117,11 +117,29 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             metrics.request_ended("grpc", ended_by, stream, rid)
 
 
+# Limits: what one client can make the router hold. A request message is a prompt (text or token
+# ids): MAX_MESSAGE_BYTES is far above any prompt a model takes, far below what would hurt memory.
+# Per connection, at most MAX_STREAMS_PER_CONNECTION concurrent RPCs; a silent peer (half-open TCP)
+# fails the server's keepalive ping and is closed; an idle connection is closed after IDLE_CLOSE_MS.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+MAX_STREAMS_PER_CONNECTION = 128
+SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.max_connection_idle_ms", 300_000),
+]
+
+
 async def start_grpc(router: Router, model: ServedModel, host: str, port: int, api_key: str | None = None,
-                     tls: tuple[bytes, bytes] | None = None) -> tuple[grpc.aio.Server, int, HealthServicer]:
-    """`tls`: (private key PEM, certificate chain PEM) for a TLS port; None for plaintext."""
-    """Build, bind and start the gRPC server; returns it, its port and the health servicer."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+                     tls: tuple[bytes, bytes] | None = None,
+                     max_rpcs: int | None = None) -> tuple[grpc.aio.Server, int, HealthServicer]:
+    """Build, bind and start the gRPC server; returns it, its port and the health servicer. `tls`:
+    (private key PEM, certificate chain PEM) for a TLS port; None for plaintext. `max_rpcs` bounds the
+    RPCs in progress (past it: RESOURCE_EXHAUSTED), so memory stays bounded however many clients come."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, maximum_concurrent_rpcs=max_rpcs)
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(router, model, api_key), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

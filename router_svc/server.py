@@ -115,8 +115,10 @@ class RouterService:
                                max_connections=4 * cfg.max_inflight + 64)
         ssl_ctx, tls = _tls(cfg)
         http_port = await self.http.start(cfg.host, cfg.http_port, ssl_ctx)
+        # RPCs past the admission limit are answered RESOURCE_EXHAUSTED by the router; past this
+        # bound (health watches, a flood) by gRPC itself, before they take memory
         self.grpc, grpc_port, self.health = await start_grpc(self.router, self.model, cfg.host, cfg.grpc_port,
-                                                             cfg.api_key, tls)
+                                                             cfg.api_key, tls, max_rpcs=4 * cfg.max_inflight + 64)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self.listen.serve(self._on_registration)),
                        loop.create_task(self._housekeeping())]

@@ -261,6 +261,11 @@ def test_errors_openai_and_grpc(cluster):
     with pytest.raises(grpc.RpcError) as gerr:
         list(stub.Generate(pb.GenerateRequest(text="x", model="gpt-4"), timeout=10))
     assert gerr.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as gerr:  # a message over the size cap is refused before it is parsed
+        list(stub.Generate(pb.GenerateRequest(text="x" * (5 * 1024 * 1024)), timeout=10))
+    assert gerr.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert [r.text for r in stub.Generate(pb.GenerateRequest(text="x", sampling=pb.SamplingParams(max_tokens=2)),
+                                          timeout=30)]  # and the next request is served
     empty = cluster["empty"]
     status, _, body = post(f"{empty['http']}/v1/completions", {"prompt": "x"})
     assert status == 503 and body["error"]["type"] == "service_unavailable"
