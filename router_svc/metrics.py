@@ -42,6 +42,10 @@ WORKERS = Gauge("tandem_router_workers", "Live workers known to the router", ["r
 ROLE_CHANGES = Counter("tandem_router_role_changes_total", "Workers asked to move to the other role (admin API or "
                        "--rebalance)", ["from_role", "to_role", "by"])
 DRAINS = Counter("tandem_router_drains_total", "Workers asked to drain and exit through the admin API", ["role"])
+for _from, _to in (("prefill", "decode"), ("decode", "prefill")):  # exported at 0 from the start: panels and
+    DRAINS.labels(_from)  # alerts see a series, not "no data"
+    for _by in ("admin", "rebalance"):
+        ROLE_CHANGES.labels(_from, _to, _by)
 WORKERS_LOST = Counter("tandem_router_workers_lost_total", "Workers removed for missing heartbeats", ["role"])
 WORKERS_HUNG = Counter("tandem_router_workers_hung_total",
                        "Workers declared hung: heartbeating, but no engine-loop progress for the hung timeout",

@@ -19,6 +19,8 @@ from prometheus_client import Counter, Gauge
 WINDOW_S = 30.0
 SLO_REQUESTS = Counter("tandem_router_slo_requests_total", "Finished requests judged against --ttft-slo / --itl-slo",
                        ["result"])
+for _result in ("met", "ttft_missed", "itl_missed", "both_missed"):
+    SLO_REQUESTS.labels(_result)  # exported at 0 from the start
 GOODPUT = Gauge("tandem_router_goodput_requests_per_second",
                 f"Requests per second that met every SLO, over the last {WINDOW_S:.0f} s")
 
