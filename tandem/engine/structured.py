@@ -1,0 +1,170 @@
+"""Structured outputs: sampling constrained by a grammar (llguidance), so every output parses.
+
+A request asks for one of (vLLM's `structured_outputs` names; OpenAI's `response_format` maps onto
+`json` / `json_object` at the front door):
+
+    {"json": <JSON schema, dict or string>}  {"json_object": true}  {"regex": "<pattern>"}
+    {"choice": ["a", "b", ...]}  {"grammar": "<Lark grammar>"}
+
+`Grammars` (one per engine: the tokenizer is built once) turns a spec into a checked llguidance
+grammar — once per distinct spec (an LRU cache), off the engine loop when asked (`compile_async`).
+JSON is compiled without free whitespace (only the separators), so a model cannot loop on spaces.
+`GrammarState` (one per request) follows the request's output tokens and gives the mask of tokens
+allowed next: for the one row a plain step samples, or for each row a speculative step verifies,
+under the grammar state the draft advances (an invalid draft token is masked out, so it is rejected).
+The state catches up on tokens it has not seen (a first token sampled on the prefill worker, tokens
+generated before a migration), so it needs no other hook.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import llguidance
+import torch
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+CACHE_SIZE = 256
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def spec_key(spec: dict[str, Any]) -> str:
+    return json.dumps(spec, sort_keys=True, separators=(",", ":"))
+
+
+def check_spec(spec: Any) -> dict[str, Any]:
+    """The spec, or ValueError naming the field (before any grammar work)."""
+    if not isinstance(spec, dict) or len([k for k in spec if k in KINDS]) != 1:
+        raise ValueError(f"structured_outputs must name exactly one of {list(KINDS)}, got {spec!r:.200}")
+    unknown = set(spec) - set(KINDS)
+    if unknown:
+        raise ValueError(f"structured_outputs: unknown field(s) {sorted(unknown)}; known: {list(KINDS)}")
+    kind, value = next((k, v) for k, v in spec.items() if k in KINDS)
+    if kind == "choice" and not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+        raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+    if kind in ("regex", "grammar") and not (isinstance(value, str) and value):
+        raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
+    if kind == "json" and not isinstance(value, (dict, str, bool)):
+        raise ValueError("structured_outputs.json must be a JSON schema (an object, or its text)")
+    if kind == "json_object" and value is not True:
+        raise ValueError("structured_outputs.json_object must be true")
+    return spec
+
+
+def _grammar_text(spec: dict[str, Any]) -> str:
+    kind, value = next((k, v) for k, v in spec.items() if k in KINDS)
+    try:
+        if kind == "json":
+            return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=_JSON_OPTIONS)
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(value)
+        if kind == "choice":
+            return llguidance.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c) for c in value))
+        return llguidance.LLMatcher.grammar_from_lark(value)
+    except ValueError as exc:  # e.g. a schema that is not a JSON object
+        raise ValueError(f"structured_outputs.{kind}: {exc}") from None
+
+
+class Grammars:
+    """Compiles and caches grammars for one tokenizer (vocabulary `vocab_size`, the model's rows)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids or None)
+        self._cache: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def compile(self, spec: dict[str, Any]) -> str:
+        """A checked grammar for `spec` (cached); ValueError naming the field if it cannot compile."""
+        key = spec_key(check_spec(spec))
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        grammar = _grammar_text(spec)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            kind = next(k for k in spec if k in KINDS)
+            raise ValueError(f"structured_outputs.{kind} cannot be compiled: {' '.join(error.split())[:500]}")
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def compile_async(self, spec: dict[str, Any]) -> Future:
+        """compile() on a background thread (llguidance drops the GIL): the engine loop goes on."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        return self._pool.submit(self.compile, spec)
+
+    def state(self, spec: dict[str, Any], resume_tokens: list[int] | None = None) -> GrammarState:
+        """A fresh per-request state; `resume_tokens` were generated under this grammar already."""
+        state = GrammarState(llguidance.LLMatcher(self.tokenizer, self.compile(spec)), self.vocab_size)
+        if resume_tokens:
+            state.sync(resume_tokens)
+        return state
+
+
+class GrammarState:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.consumed = 0  # output tokens fed to the matcher so far
+
+    def sync(self, output_token_ids: list[int]) -> None:
+        """Feed the output tokens the matcher has not seen (in order). A token the grammar refuses
+        (it cannot come from a masked sample) leaves the matcher in its error state: then every token
+        is masked but EOS, and the request ends."""
+        new = output_token_ids[self.consumed:]
+        if new and not self.matcher.is_stopped():
+            self.matcher.consume_tokens(new)
+        self.consumed = len(output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete: nothing may follow (the request should stop)."""
+        return self.matcher.is_stopped() or self.matcher.is_error()
+
+    def allowed(self) -> torch.Tensor:
+        """Bool mask [vocab_size] of the tokens the grammar allows next."""
+        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
+        bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+        return bits.flatten()[:self.vocab_size].bool()
+
+    def allowed_along(self, draft: list[int]) -> list[torch.Tensor]:
+        """Masks for the k+1 rows a speculative step verifies: row j under the state after draft[:j].
+        Rows past the first draft token the grammar refuses get that row's mask repeated (they are
+        never used: verification stops at the refused token)."""
+        masks: list[torch.Tensor] = []
+        taken = 0
+        for j in range(len(draft) + 1):
+            masks.append(self.allowed())
+            if j == len(draft):
+                break
+            token = draft[j]
+            # checked against the mask first: a refused token would put the matcher in its error state
+            if not (0 <= token < self.vocab_size and masks[-1][token]) or not self.matcher.consume_token(token):
+                masks += [masks[-1]] * (len(draft) - j)
+                break
+            taken += 1
+        if taken:
+            self.matcher.rollback(taken)
+        return masks
+
+
+def apply_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits [V'] (V' >= the grammar's vocabulary: padded rows are never allowed) with the
+    disallowed tokens at -inf."""
+    out = torch.full_like(logits, float("-inf"))
+    n = allowed.shape[0]
+    out[:n] = torch.where(allowed.to(logits.device), logits[:n], out[:n])
+    return out

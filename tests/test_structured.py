@@ -1,0 +1,113 @@
+"""Grammar masks (tandem/engine/structured.py) on the shipped tokenizer: every walk that only takes
+allowed tokens ends in text the grammar describes (JSON schema, regex, choice, Lark); the masks of a
+speculative step equal the masks of the same tokens taken one by one; bad specs name their field."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+
+from tandem.default_model import ASSETS_DIR, TARGET_NAME
+from tandem.engine.structured import Grammars, check_spec
+from tandem.tokenizer import Tokenizer
+
+TARGET = ASSETS_DIR / TARGET_NAME
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "count", "ok"],
+          "properties": {"name": {"type": "string", "maxLength": 6}, "count": {"type": "integer", "minimum": 0,
+                                                                            "maximum": 999},
+                         "ok": {"type": "boolean"}, "tag": {"enum": ["red", "blue"]}}}
+
+
+@pytest.fixture(scope="module")
+def grammars() -> Grammars:
+    config = json.loads((TARGET / "config.json").read_text())
+    return Grammars((TARGET / "tokenizer.json").read_text(), config["vocab_size"], [config["eos_token_id"]])
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer(str(TARGET))
+
+
+def walk(grammars: Grammars, spec: dict, seed: int, max_steps: int = 200) -> list[int]:
+    """Random tokens among the allowed ones until the grammar is complete (EOS taken when allowed, half the time)."""
+    rng, state, out = random.Random(seed), grammars.state(spec), []
+    eos = grammars.tokenizer.eos_token
+    for _ in range(max_steps):
+        allowed = state.allowed().nonzero().flatten().tolist()
+        assert allowed, "the grammar left no token to take"
+        if eos in allowed and (len(allowed) == 1 or rng.random() < 0.5):
+            return out
+        token = rng.choice([t for t in allowed if t != eos])
+        out.append(token)
+        state.sync(out)
+        if state.finished:
+            return out
+    raise AssertionError(f"no end after {max_steps} tokens")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_json_schema_walks_validate(grammars, tokenizer, seed):
+    text = tokenizer.decode(walk(grammars, {"json": SCHEMA}, seed))
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert " " not in text.replace('"', "").split(":")[0]  # no free whitespace between tokens of the structure
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_regex_choice_and_lark_walks_match(grammars, tokenizer, seed):
+    pattern = r"(ab|cd)[0-9]{2,4}-x"
+    assert re.fullmatch(pattern, tokenizer.decode(walk(grammars, {"regex": pattern}, seed)))
+    choices = ["def", "class", "import os"]
+    assert tokenizer.decode(walk(grammars, {"choice": choices}, seed)) in choices
+    lark = 'start: "(" num ("+" num)* ")"\nnum: /[0-9]/'
+    assert re.fullmatch(r"\([0-9](\+[0-9])*\)", tokenizer.decode(walk(grammars, {"grammar": lark}, seed)))
+
+
+
+def test_json_object_allows_objects_only(grammars, tokenizer):
+    state = grammars.state({"json_object": True})
+    assert not state.allowed()[tokenizer.encode("[", add_special_tokens=False)[0]]  # an array is not an object
+    ids = tokenizer.encode('{"a":[1,2],"b":"x"}', add_special_tokens=False)
+    for j, token in enumerate(ids):
+        assert state.allowed()[token], tokenizer.decode(ids[:j + 1])
+        state.sync(ids[:j + 1])
+    assert state.allowed()[grammars.tokenizer.eos_token]  # complete: the request may end here
+
+
+def test_speculative_masks_equal_stepwise_masks(grammars, tokenizer):
+    spec = {"regex": r"(ab|cd)[0-9]{2,4}-x"}
+    good = tokenizer.encode("ab12", add_special_tokens=False)
+    state = grammars.state(spec)
+    before = state.allowed()
+    draft = good + [tokenizer.encode("zz", add_special_tokens=False)[0]] + good[:1]
+    masks = state.allowed_along(draft)
+    assert len(masks) == len(draft) + 1
+    assert bool((state.allowed() == before).all())  # the state is back where it was (rollback)
+    step = grammars.state(spec)
+    for j, token in enumerate(good):  # valid prefix: each row's mask is the stepwise one
+        assert bool((masks[j] == step.allowed()).all()), j
+        step.sync(good[:j + 1])
+    assert bool((masks[len(good)] == step.allowed()).all())
+    assert not masks[len(good)][draft[len(good)]]  # the invalid draft token is masked: it will be rejected
+
+
+def test_cache_resume_and_bad_specs(grammars, tokenizer):
+    spec = {"choice": ["yes", "no"]}
+    assert grammars.compile(spec) is grammars.compile({"choice": ["yes", "no"]})  # compiled once
+    assert grammars.compile_async(spec).result(timeout=10) is grammars.compile(spec)
+    ids = tokenizer.encode("ye", add_special_tokens=False)
+    resumed = grammars.state({"regex": "yes|yellow"}, resume_tokens=ids)  # e.g. after a migration
+    fresh = grammars.state({"regex": "yes|yellow"})
+    fresh.sync(ids)
+    assert bool((resumed.allowed() == fresh.allowed()).all()) and resumed.consumed == len(ids)
+    for bad, field in [({"regex": "("}, "structured_outputs.regex"), ({"choice": []}, "structured_outputs.choice"),
+                       ({"json": 5}, "structured_outputs.json"), ({"regex": "a", "choice": ["a"]}, "exactly one"),
+                       ({"grammar": "start: nope"}, "structured_outputs.grammar"), ({"jsn": {}}, "exactly one"),
+                       ({"json": {"type": "object", "properties": {"a": {"type": "strin"}}}},
+                        "structured_outputs.json")]:
+        with pytest.raises(ValueError, match=re.escape(field)):
+            grammars.compile(check_spec(bad))
