@@ -23,6 +23,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (plus the chosen token's)
+    # Constrain the output to a grammar (tandem/engine/structured.py): exactly one of {"json": schema},
+    # {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": lark}; plus
+    # "resume_tokens": n when the prompt's last n tokens were generated under it (a migrated request).
+    structured_outputs: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +59,8 @@ class SamplingParams:
             _check_int("stop_token_ids[]", t, minimum=0)
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        if self.structured_outputs is not None:
+            check_structured(self.structured_outputs)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
             if self.logprobs > 20:
@@ -85,3 +91,28 @@ def _check_number(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     if value != value:  # NaN
         raise ValueError(f"{name} must not be NaN")
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def check_structured(spec: object) -> dict:
+    """A structured_outputs spec's shape (ValueError naming the field); whether the grammar compiles
+    is the engine's check (tandem/engine/structured.py)."""
+    if not isinstance(spec, dict) or len([k for k in spec if k in STRUCTURED_KINDS]) != 1:
+        raise ValueError(f"structured_outputs must name exactly one of {list(STRUCTURED_KINDS)}, got {spec!r:.200}")
+    unknown = set(spec) - set(STRUCTURED_KINDS) - {"resume_tokens"}
+    if unknown:
+        raise ValueError(f"structured_outputs: unknown field(s) {sorted(unknown)}; known: {list(STRUCTURED_KINDS)}")
+    kind, value = next((k, v) for k, v in spec.items() if k in STRUCTURED_KINDS)
+    if kind == "choice" and not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+        raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+    if kind in ("regex", "grammar") and not (isinstance(value, str) and value):
+        raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
+    if kind == "json" and not isinstance(value, (dict, str, bool)):
+        raise ValueError("structured_outputs.json must be a JSON schema (an object, or its text)")
+    if kind == "json_object" and value is not True:
+        raise ValueError("structured_outputs.json_object must be true")
+    if "resume_tokens" in spec:
+        _check_int("structured_outputs.resume_tokens", spec["resume_tokens"], minimum=0)
+    return spec

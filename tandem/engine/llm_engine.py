@@ -16,8 +16,10 @@ memory for the shm connector); `set_kv_connector` plugs in the disaggregation se
 
 from __future__ import annotations
 
+import functools
 import itertools
-from typing import TYPE_CHECKING
+import os
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -126,7 +128,19 @@ class LLMEngine:
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
-        return Request(rid, ids, params, self.eos_token_ids, max_tokens)
+        req = Request(rid, ids, params, self.eos_token_ids, max_tokens)
+        if params.structured_outputs is not None:
+            resume = params.structured_outputs.get("resume_tokens", 0)
+            req.grammar = self.grammars.state(params.structured_outputs, ids[len(ids) - resume:] if resume else None)
+        return req
+
+    @functools.cached_property
+    def grammars(self) -> Any:
+        """Structured outputs' grammar compiler for this model's tokenizer (built on first use)."""
+        from tandem.engine.structured import Grammars
+
+        with open(os.path.join(self.config.model, "tokenizer.json"), encoding="utf-8") as f:
+            return Grammars(f.read(), self.model_config.vocab_size, sorted(self.eos_token_ids))
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams) -> str:
         req = self.make_request(request_id, prompt, params)

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from kernels import get_ops
-from tandem.engine import sampler, spec_decode
+from tandem.engine import sampler, spec_decode, structured
 from tandem.engine.interfaces.kv_quantizer import KVQuantizer, NoQuantizer
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.layers.attention import AttentionMetadata
@@ -101,7 +101,12 @@ class ModelRunner:
                 plain.append((r, offset))
                 per_req[rid] = logits[offset:offset + 1]
             else:
-                toks = spec_decode.verify(logits[offset:offset + k], s.spec_token_ids, self.draft_probs.get(rid),
+                rows = logits[offset:offset + k]
+                if r.grammar is not None:  # row j under the grammar state the first j draft tokens lead to
+                    r.grammar.sync(r.output_token_ids)
+                    masks = r.grammar.allowed_along(s.spec_token_ids)
+                    rows = torch.stack([structured.apply_mask(rows[j], masks[j]) for j in range(k)])
+                toks = spec_decode.verify(rows, s.spec_token_ids, self.draft_probs.get(rid),
                                           r.params, r.generator or self.generator)
                 emitted = spec_decode.truncate_at_stop(r, toks)
                 self.spec_stats.record(len(s.spec_token_ids), len(toks) - 1, len(emitted))
@@ -110,8 +115,12 @@ class ModelRunner:
         self.draft_probs = {}
         if plain:
             reqs = [r for r, _ in plain]
-            tokens = sampler.sample(logits[[row for _, row in plain]], [r.params for r in reqs],
-                                    [r.generator for r in reqs], self.generator)
+            rows = logits[[row for _, row in plain]]
+            for i, r in enumerate(reqs):
+                if r.grammar is not None:  # structured outputs: only what the grammar allows next
+                    r.grammar.sync(r.output_token_ids)
+                    rows[i] = structured.apply_mask(rows[i], r.grammar.allowed())
+            tokens = sampler.sample(rows, [r.params for r in reqs], [r.generator for r in reqs], self.generator)
             sampled.update((r.request_id, [t]) for r, t in zip(reqs, tokens))
         return StepResult(sampled, per_req)
 

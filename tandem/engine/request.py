@@ -27,7 +27,7 @@ class Request:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "eos_token_ids", "max_tokens",
                  "arrival_time", "status", "num_computed_tokens", "block_ids", "block_hashes",
                  "num_cached_tokens", "generator", "spec_token_ids", "finish_reason", "stop_reason",
-                 "logprobs", "num_preemptions", "priority", "num_registered_blocks", "kv_peer")
+                 "logprobs", "num_preemptions", "priority", "num_registered_blocks", "kv_peer", "grammar")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: set[int], max_tokens: int, priority: int = 0) -> None:
@@ -52,6 +52,7 @@ class Request:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.num_preemptions = 0
         self.kv_peer: str | None = None  # decode role: the prefill worker its prompt's KV comes from
+        self.grammar = None  # structured.GrammarState when params.structured_outputs (set by the engine)
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +74,10 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def _grammar_complete(self) -> bool:
+        self.grammar.sync(self.output_token_ids)
+        return self.grammar.finished
+
     def append_token(self, token_id: int) -> bool:
         """Add a sampled token; returns True when it ends the request (and sets the finish reason)."""
         self.token_ids.append(token_id)
@@ -80,6 +85,8 @@ class Request:
             self.finish_reason, self.stop_reason = "stop", token_id
         elif token_id in self.params.stop_token_ids:
             self.finish_reason, self.stop_reason = "stop", token_id
+        elif self.grammar is not None and self._grammar_complete():
+            self.finish_reason = "stop"
         elif self.num_output_tokens >= self.max_tokens:
             self.finish_reason = "length"
         return self.finish_reason is not None

@@ -27,32 +27,15 @@ from typing import Any
 import llguidance
 import torch
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+from tandem.sampling_params import STRUCTURED_KINDS as KINDS
+from tandem.sampling_params import check_structured as check_spec
+
 CACHE_SIZE = 256
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 def spec_key(spec: dict[str, Any]) -> str:
-    return json.dumps(spec, sort_keys=True, separators=(",", ":"))
-
-
-def check_spec(spec: Any) -> dict[str, Any]:
-    """The spec, or ValueError naming the field (before any grammar work)."""
-    if not isinstance(spec, dict) or len([k for k in spec if k in KINDS]) != 1:
-        raise ValueError(f"structured_outputs must name exactly one of {list(KINDS)}, got {spec!r:.200}")
-    unknown = set(spec) - set(KINDS)
-    if unknown:
-        raise ValueError(f"structured_outputs: unknown field(s) {sorted(unknown)}; known: {list(KINDS)}")
-    kind, value = next((k, v) for k, v in spec.items() if k in KINDS)
-    if kind == "choice" and not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
-        raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
-    if kind in ("regex", "grammar") and not (isinstance(value, str) and value):
-        raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
-    if kind == "json" and not isinstance(value, (dict, str, bool)):
-        raise ValueError("structured_outputs.json must be a JSON schema (an object, or its text)")
-    if kind == "json_object" and value is not True:
-        raise ValueError("structured_outputs.json_object must be true")
-    return spec
+    return json.dumps({k: v for k, v in spec.items() if k in KINDS}, sort_keys=True, separators=(",", ":"))
 
 
 def _grammar_text(spec: dict[str, Any]) -> str:

@@ -1,0 +1,110 @@
+"""Structured outputs in the engine (offline `LLM`): constrained greedy equals the argmax of
+transformers' logits masked by the same grammar; every seeded temperature-1 output validates (with
+and without n-gram / draft-model speculation); masked sampling draws from the renormalised masked
+distribution (chi-squared); a grammar that cannot compile is a clear error."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import jsonschema
+import pytest
+import torch
+from tiny_models import make_checkpoint
+
+from tandem import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "ok"],
+          "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"},
+                         "tag": {"enum": ["a", "b", "c"]}}}
+SPECS = [({"json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+         ({"regex": r"[a-f]{2,5}-[0-9]{1,3}"}, lambda t: re.fullmatch(r"[a-f]{2,5}-[0-9]{1,3}", t) is not None),
+         ({"choice": ["return", "yield", "pass"]}, lambda t: t in ("return", "yield", "pass"))]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    return make_checkpoint(str(tmp_path_factory.mktemp("structured") / "ckpt"))
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt) -> LLM:
+    return LLM(ckpt, num_kv_blocks=512)
+
+
+@pytest.mark.parametrize("spec", [s for s, _ in SPECS], ids=["json", "regex", "choice"])
+def test_constrained_greedy_equals_masked_transformers_argmax(ckpt, llm, spec):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32).eval()
+    prompt = llm.engine.tokenizer.encode("def parse(text):\n    return ")
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec))[0]
+    state, ids, expected = llm.engine.grammars.state(spec), list(prompt), []
+    eos = llm.engine.tokenizer.eos_token_id
+    with torch.no_grad():
+        for _ in range(40):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            allowed = state.allowed()
+            token = int(torch.where(allowed, logits[:allowed.shape[0]], float("-inf")).argmax())
+            expected.append(token)
+            ids.append(token)
+            state.sync(expected)
+            if token == eos or state.finished:
+                break
+    assert out.token_ids == expected
+
+
+@pytest.mark.parametrize("speculator", [None, "ngram", "draft"])
+def test_every_seeded_sample_validates(ckpt, tmp_path_factory, speculator):
+    options = {}
+    if speculator == "ngram":
+        options = {"speculator": "ngram", "num_speculative_tokens": 3}
+    elif speculator == "draft":
+        draft = make_checkpoint(str(tmp_path_factory.mktemp("draft") / "draft"), seed=7, num_hidden_layers=1)
+        options = {"speculator": "draft_model", "draft_model": draft, "num_speculative_tokens": 3}
+    llm = LLM(ckpt, num_kv_blocks=512, **options)
+    prompts = ["x = ", "# config\n", "def f():\n    "]
+    for spec, valid in SPECS:
+        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=60, structured_outputs=spec) for s in range(12)]
+        outs = llm.generate([prompts[i % 3] for i in range(12)], params)
+        for o in outs:
+            assert o.finish_reason == "stop", (spec, o.text)
+            assert valid(o.text), (spec, o.text)
+
+
+def test_masked_sampling_draws_the_renormalised_distribution(ckpt, llm):
+    """First tokens under {"choice": [...]} : chi-squared against softmax(logits) restricted to the
+    allowed tokens and renormalised."""
+    import transformers
+
+    spec = {"regex": r"[a-z]+"}
+    prompt = llm.engine.tokenizer.encode("value = ")
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+    allowed = llm.engine.grammars.state(spec).allowed()
+    probs = torch.softmax(torch.where(allowed, logits[:allowed.shape[0]], float("-inf")), -1)
+    n = 3000
+    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, seed=s, max_tokens=1, ignore_eos=True,
+                                                      structured_outputs=spec) for s in range(n)])
+    counts = torch.bincount(torch.tensor([o.token_ids[0] for o in outs]), minlength=probs.shape[0]).double()
+    assert bool((counts[~allowed] == 0).all())  # never a token the grammar forbids
+    expected = probs.double() * n
+    big = expected >= 5  # pool the rare tokens into one cell, as a chi-squared test needs
+    observed = torch.cat([counts[big], counts[~big].sum().unsqueeze(0)])
+    exp = torch.cat([expected[big], expected[~big].sum().unsqueeze(0)])
+    stat = float(((observed - exp) ** 2 / exp.clamp_min(1e-9)).sum())
+    df = int(big.sum())  # cells - 1
+    critical = df + 4.0 * math.sqrt(2 * df)  # far in the upper tail (about p < 0.001 for these df)
+    assert stat < critical, (stat, df)
+
+
+def test_bad_grammar_is_a_clear_error(llm):
+    with pytest.raises(ValueError, match=r"structured_outputs\.regex"):
+        llm.generate(["x"], SamplingParams(structured_outputs={"regex": "(unclosed"}))
+    with pytest.raises(ValueError, match=r"structured_outputs\.choice"):
+        SamplingParams(structured_outputs={"choice": []})
+    assert llm.generate(["x"], SamplingParams(max_tokens=2, temperature=0))[0].token_ids  # still serving
