@@ -194,12 +194,15 @@ def test_block_size_mismatch_refused_at_handshake(ckpt, offline, tmp_path):
 def test_cancel_frees_blocks_on_both_sides(tmp_path):
     ckpt = make_checkpoint(str(tmp_path / "deep"), "llama", num_hidden_layers=12, hidden_size=256,
                            intermediate_size=768, num_attention_heads=8, num_key_value_heads=2)
-    prefill, p_addr = start_worker("prefill", ckpt, tmp_path, "--kv-connector", "zmq", "--max-num-batched-tokens", "64")
+    # 16-token chunks: P needs ~60 steps for the prompt, so the abort lands mid-prefill however fast a step is.
+    prefill, p_addr = start_worker("prefill", ckpt, tmp_path, "--kv-connector", "zmq", "--max-num-batched-tokens", "16")
     decode, d_addr = start_worker("decode", ckpt, tmp_path, "--kv-connector", "zmq", "--local-prefill-threshold", "0")
     try:
         client = Client(d_addr["control"])
         client.add("c", [random.Random(2).randrange(3, 512) for _ in range(1000)], p_addr["control"])
-        time.sleep(0.3)
+        deadline = time.monotonic() + 20
+        while worker_stats(p_addr["control"])["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # abort once P is computing the prompt (a fixed sleep raced a fast P)
         client.sock.send(messages.encode("abort", id="c"))
         client.collect(["c"])
         assert client.finished["c"]["finish_reason"] == "abort"

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kernels import KernelOps
+from tandem.layers.linear import Linear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import apply_rotary
 
@@ -48,8 +49,8 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         # One fused projection: three small matmuls cost more than one on CPU.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 

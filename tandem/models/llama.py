@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.layers.attention import Attention, AttentionMetadata
+from tandem.layers.linear import Linear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.config import ModelConfig
@@ -21,8 +22,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -64,7 +65,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, max_positions)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

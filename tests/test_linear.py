@@ -1,0 +1,62 @@
+"""tandem.layers.linear: the oneDNN CPU linear computes what F.linear computes, falls back where it must,
+and TANDEM_LINEAR picks the path (bad values are a clear error)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.layers import linear as lin
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear_fp32(rows, bias):
+    torch.manual_seed(rows)
+    layer = lin.Linear(96, 200, bias=bias)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        got = layer(x)
+    want = F.linear(x, layer.weight, layer.bias)
+    assert got.shape == (rows, 200) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_and_non_contiguous_input():
+    torch.manual_seed(0)
+    w = torch.randn(64, 32)
+    x = torch.randn(32, 5).t()  # a transposed view, as attention output reshapes can be
+    torch.testing.assert_close(lin.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    got = lin.linear(x.bfloat16(), w.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.linear(x, w), rtol=0.05, atol=0.05)
+
+
+def test_autograd_falls_back():
+    layer = lin.Linear(8, 4)
+    layer(torch.randn(2, 8)).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.shape == (4, 8)
+
+
+def test_onednn_is_the_default_where_available():
+    assert lin.backend() == ("onednn" if torch.backends.mkldnn.is_available() else "torch")
+
+
+def _import_with(value: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TANDEM_LINEAR": value, "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, "-c", "from tandem.layers import linear; print(linear.backend())"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+
+
+def test_env_switch_and_bad_value():
+    out = _import_with("torch")
+    assert out.returncode == 0 and out.stdout.strip() == "torch", out.stderr
+    out = _import_with("mkl")
+    assert out.returncode != 0 and "TANDEM_LINEAR must be 'onednn' or 'torch'" in out.stderr
