@@ -73,6 +73,7 @@ class Flight:
     tokens_out: int = 0
     generated: list[int] = field(default_factory=list)  # token ids already handed to the client
     prompt_len: int = 0  # the client's prompt, for usage after a migration
+    max_tokens: int = 16  # the client's max_tokens (sampling["max_tokens"] shrinks with each migration)
     attempts: int = 0
     done: bool = False
     started: float = field(default_factory=time.monotonic)
@@ -109,7 +110,7 @@ class Router:
             raise BadRequest(f"request_id {rid!r} is already in flight", param="request_id")
         route = RouteRequest(rid, token_ids, prefix_key(token_ids, self.block_size, self.affinity_blocks))
         flight = Flight(rid, list(token_ids), params.to_dict(), route, log.bind(request_id=rid),
-                        prompt_len=len(token_ids))
+                        prompt_len=len(token_ids), max_tokens=params.max_tokens)
         self._dispatch(flight, exclude=set())
         self.flights[rid] = flight
         metrics.IN_FLIGHT.set(len(self.flights))
@@ -236,12 +237,15 @@ class Router:
     def _migrate(self, flight: Flight, lost: Worker) -> bool:
         """Continue a stream on another D: prompt + tokens sent so far become its prompt."""
         self._release_prefill(flight)
-        remaining = int(flight.sampling.get("max_tokens", 16)) - flight.tokens_out
+        remaining = flight.max_tokens - flight.tokens_out
         if remaining < 1:
             return False
         before = (flight.token_ids, flight.sampling)
         flight.token_ids = flight.token_ids[:flight.prompt_len] + flight.generated
         flight.sampling = {**flight.sampling, "max_tokens": remaining}
+        if flight.sampling.get("structured_outputs"):  # the grammar resumes after the tokens already sent
+            flight.sampling["structured_outputs"] = {**flight.sampling["structured_outputs"],
+                                                     "resume_tokens": flight.tokens_out}
         try:
             self._dispatch(flight, exclude={lost.worker_id})
         except NoWorkers:

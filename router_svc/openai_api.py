@@ -2,7 +2,8 @@
 completion / chat.completion objects and their streaming chunks. Pure functions, no I/O.
 
 Field mapping: max_tokens (chat: max_completion_tokens or max_tokens), temperature, top_p, n (1 only),
-stop (str or list), seed, logprobs (+ top_logprobs for chat), stream, stream_options.include_usage;
+stop (str or list), seed, logprobs (+ top_logprobs for chat), stream, stream_options.include_usage,
+response_format / structured_outputs / guided_* (router_svc/structured_request.py);
 tandem extras: top_k, min_p, ignore_eos, stop_token_ids. Parameters tandem does not implement are
 accepted only at their neutral value, otherwise a 400 that names them.
 """
@@ -16,6 +17,7 @@ from typing import Any
 from router_svc.core import Chunk
 from router_svc.errors import BadRequest
 from router_svc.prompts import ServedModel
+from router_svc.structured_request import structured_from_body
 from tandem.sampling_params import SamplingParams
 
 SAMPLING_NAMES = frozenset(SamplingParams.__dataclass_fields__)
@@ -24,7 +26,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
     "logit_bias": (None, {}), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
 _EXTRAS = ("top_k", "min_p", "ignore_eos", "stop_token_ids")
 
@@ -99,6 +100,9 @@ def _sampling(body: dict, max_tokens: Any, default_max: int, logprobs: int | Non
     for name in ("temperature", "top_p", "seed", *_EXTRAS):
         if body.get(name) is not None:
             kw[name] = body[name]
+    structured = structured_from_body(body)  # response_format / structured_outputs / guided_*
+    if structured is not None:
+        kw["structured_outputs"] = structured
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as exc:

@@ -139,3 +139,38 @@ def test_core_migrates_a_started_stream_to_another_worker():
         assert last.token_ids == [9, 4, 2] and last.finished and last.num_prompt_tokens == 3  # the client's prompt
 
     asyncio.run(main())
+
+
+def test_core_migrates_twice_with_the_clients_budget_and_the_grammar_resumed():
+    from plugins.routing import RoundRobin
+    from router_svc.core import Router
+    from router_svc.registry import Registry
+    from tandem.sampling_params import SamplingParams
+
+    def out(rid, tokens):
+        return {"type": "output", "id": rid, "token_ids": tokens, "text": "t" * len(tokens), "finished": False,
+                "finish_reason": None, "num_cached_tokens": 0, "num_prompt_tokens": 3}
+
+    async def main():
+        reg, sent = Registry(), []
+        for wid in ("a", "b", "c"):
+            reg.handle({"type": "register", "worker_id": wid, "role": "decode", "control_address": f"tcp://{wid}",
+                        "model": "m", "interval_ms": 100})
+        router = Router(reg, lambda addr, kind, **f: sent.append((addr, kind, f)), RoundRobin(), RoundRobin())
+        spec = {"regex": "[0-9]+"}
+        stream = router.submit([1, 2, 3], SamplingParams(max_tokens=10, temperature=0, structured_outputs=spec), "r1")
+        for tokens in ([7, 8], [9]):
+            lost = sent[-1][0].removeprefix("tcp://")  # the worker serving it now
+            router.on_worker_message(f"tcp://{lost}", out("r1", tokens))
+            assert (await stream.__anext__()).token_ids == tokens
+            now = reg.workers[lost].last_seen + 1.0
+            for other in reg.workers.values():
+                if other.worker_id != lost:
+                    other.last_seen = now
+            router.on_worker_lost(reg.expire(now)[0])
+        addr, kind, fields = sent[-1]
+        assert fields["token_ids"] == [1, 2, 3, 7, 8, 9] and len({a for a, _, _ in sent}) == 3
+        assert fields["sampling"]["max_tokens"] == 7  # 10 asked, 3 sent: not 10 - 2 - 3
+        assert fields["sampling"]["structured_outputs"] == {**spec, "resume_tokens": 3}
+
+    asyncio.run(main())
