@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -81,14 +81,29 @@ class ModelRunner:
             prefill_seq_lens=self._seq_lens(prefill) if prefill else None,
             layer_hook=self.layer_hook,
         )
+        plain_masks = self._start_masks(sample_rows)  # grammar masks are computed while the model runs
         hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
         if not sample_rows:
             return StepResult({}, {})
         idx = torch.tensor([i for _, start, k in sample_rows for i in range(start, start + k)], device=dev)
         logits = self.model.compute_logits(hidden[idx])
-        return self._sample(sample_rows, logits)
+        return self._sample(sample_rows, logits, plain_masks)
 
-    def _sample(self, sample_rows: list[tuple[ScheduledRequest, int, int]], logits: torch.Tensor) -> StepResult:
+    @staticmethod
+    def _start_masks(sample_rows: list[tuple[ScheduledRequest, int, int]]) -> Any:
+        """Structured outputs: a future of (rows among the plain ones, their allowed-token masks).
+        llguidance computes them on its own threads, without the GIL, while the forward pass runs."""
+        plain = [s.request for s, _, _ in sample_rows if not s.spec_token_ids]
+        constrained = [i for i, r in enumerate(plain) if r.grammar is not None]
+        if not constrained:
+            return None
+        states = [plain[i].grammar for i in constrained]
+        for i, state in zip(constrained, states):
+            state.sync(plain[i].output_token_ids)
+        return constrained, states[0].grammars.allowed_batch_async(states)
+
+    def _sample(self, sample_rows: list[tuple[ScheduledRequest, int, int]], logits: torch.Tensor,
+                plain_masks: Any = None) -> StepResult:
         """logits holds k rows per request (k = 1 + speculated tokens). Plain requests sample their one
         row; speculating ones verify all k rows (tandem/engine/spec_decode.py). The logits returned per
         request are the rows of the tokens it emits (for logprobs)."""
@@ -116,10 +131,9 @@ class ModelRunner:
         if plain:
             reqs = [r for r, _ in plain]
             rows = logits[[row for _, row in plain]]
-            for i, r in enumerate(reqs):
-                if r.grammar is not None:  # structured outputs: only what the grammar allows next
-                    r.grammar.sync(r.output_token_ids)
-                    rows[i] = structured.apply_mask(rows[i], r.grammar.allowed())
+            if plain_masks is not None:  # structured outputs: only what each grammar allows next
+                constrained, allowed = plain_masks
+                rows[constrained] = structured.mask_rows(rows[constrained], allowed.result())
             tokens = sampler.sample(rows, [r.params for r in reqs], [r.generator for r in reqs], self.generator)
             sampled.update((r.request_id, [t]) for r, t in zip(reqs, tokens))
         return StepResult(sampled, per_req)

@@ -64,6 +64,8 @@ class Grammars:
         self._cache: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._executor: Any = None  # llguidance.LLExecutor, on first batched mask
+        self._mask_pool: ThreadPoolExecutor | None = None
 
     def compile(self, spec: dict[str, Any]) -> str:
         """A checked grammar for `spec` (cached); ValueError naming the field if it cannot compile."""
@@ -89,18 +91,39 @@ class Grammars:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         return self._pool.submit(self.compile, spec)
 
+    @property
+    def mask_words(self) -> int:
+        """int32 words of one llguidance token mask: a bit per token."""
+        return (self.vocab_size + 31) // 32
+
+    def allowed_batch(self, states: list[GrammarState]) -> torch.Tensor:
+        """Bool masks [len(states), vocab_size] for many requests at once: llguidance fills one int32
+        buffer in parallel (its threads run without the GIL), then one vectorized unpack."""
+        words = torch.empty((len(states), self.mask_words), dtype=torch.int32)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        self._executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(states)], words.data_ptr(),
+                                               self.mask_words * 4, len(states))
+        return unpack(words, self.vocab_size)
+
+    def allowed_batch_async(self, states: list[GrammarState]) -> Future:
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        return self._mask_pool.submit(self.allowed_batch, states)
+
     def state(self, spec: dict[str, Any], resume_tokens: list[int] | None = None) -> GrammarState:
         """A fresh per-request state; `resume_tokens` were generated under this grammar already."""
-        state = GrammarState(llguidance.LLMatcher(self.tokenizer, self.compile(spec)), self.vocab_size)
+        state = GrammarState(llguidance.LLMatcher(self.tokenizer, self.compile(spec)), self)
         if resume_tokens:
             state.sync(resume_tokens)
         return state
 
 
 class GrammarState:
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, grammars: Grammars) -> None:
         self.matcher = matcher
-        self.vocab_size = vocab_size
+        self.grammars = grammars  # for batched masks
+        self.vocab_size = grammars.vocab_size
         self.consumed = 0  # output tokens fed to the matcher so far
 
     def sync(self, output_token_ids: list[int]) -> None:
@@ -120,8 +143,7 @@ class GrammarState:
     def allowed(self) -> torch.Tensor:
         """Bool mask [vocab_size] of the tokens the grammar allows next."""
         words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
-        bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
-        return bits.flatten()[:self.vocab_size].bool()
+        return unpack(words.unsqueeze(0), self.vocab_size)[0]
 
     def allowed_along(self, draft: list[int]) -> list[torch.Tensor]:
         """Masks for the k+1 rows a speculative step verifies: row j under the state after draft[:j].
@@ -142,6 +164,23 @@ class GrammarState:
         if taken:
             self.matcher.rollback(taken)
         return masks
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 bit masks [N, W] -> bool [N, vocab_size] (bit b of word w is token 32 w + b)."""
+    return ((words.unsqueeze(-1) >> _BITS) & 1).flatten(1)[:, :vocab_size].bool()
+
+
+def mask_rows(rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits rows [N, V'] with the tokens `allowed` [N, V] forbids (and any padded column >= V) at -inf."""
+    n = allowed.shape[1]
+    out = rows.masked_fill(~allowed.to(rows.device), float("-inf")) if rows.shape[1] == n else torch.cat(
+        [rows[:, :n].masked_fill(~allowed.to(rows.device), float("-inf")),
+         torch.full_like(rows[:, n:], float("-inf"))], dim=1)
+    return out
 
 
 def apply_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
