@@ -11,6 +11,7 @@ UNAVAILABLE (no decode worker / worker lost).
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any, AsyncIterator
 
@@ -38,6 +39,12 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     kw: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL_SCALARS if msg.HasField(name)}
     kw["stop"] = list(msg.stop)
     kw["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.HasField("structured_outputs"):
+        try:
+            kw["structured_outputs"] = json.loads(msg.structured_outputs)
+        except ValueError:
+            raise BadRequest("structured_outputs must be JSON text, e.g. '{\"regex\": \"[0-9]+\"}'",
+                             param="structured_outputs") from None
     try:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as exc:

@@ -33,7 +33,7 @@ def cluster(tmp_path_factory):
                                      "tcp://127.0.0.1:0", "--router", ep["listen"], "--num-kv-blocks", "256",
                                      *extra], tmp))
         wait_workers(ep["http"], decode=1, prefill=1)
-        yield {"http": ep["http"], "ckpt": ckpt}
+        yield {"http": ep["http"], "grpc": ep["grpc"], "ckpt": ckpt}
     finally:
         stop_all(procs)
 
@@ -68,6 +68,24 @@ def test_every_seeded_sample_is_valid(cluster):
     assert status == 200, out
     text = out["choices"][0]["message"]["content"]
     assert out["choices"][0]["finish_reason"] == "stop" and isinstance(json.loads(text), dict), text
+
+
+def test_grpc_structured_outputs(cluster):
+    import grpc
+    from service_procs import grpc_stub
+
+    from tandem.protocol import generation_pb2 as pb
+
+    stub = grpc_stub(cluster["grpc"])
+    params = pb.SamplingParams(max_tokens=40, temperature=1.0, seed=5,
+                               structured_outputs=json.dumps({"choice": ["alpha", "beta"]}))
+    text = "".join(r.text for r in stub.Generate(pb.GenerateRequest(text="x = ", sampling=params), timeout=60))
+    assert text in ("alpha", "beta")
+    for bad in ("{not json", json.dumps({"regex": "(unclosed"})):
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(text="x", sampling=pb.SamplingParams(structured_outputs=bad)),
+                               timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured_outputs" in err.value.details()
 
 
 @pytest.mark.parametrize("body,param", [
