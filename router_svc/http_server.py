@@ -8,6 +8,9 @@ request bodies, JSON responses, and chunked streaming responses for server-sent 
    `write()` / `end_stream()`; an app that raised before answering gets a 500.
 4. Past `max_connections` open connections a new one is answered 503 and closed: connections,
    like requests, must not grow memory without bound.
+5. Slow clients: a request's head, then its body, must each arrive within `client_timeout_s` (a
+   client sending a byte a second is answered 408 and closed, and logged once per peer address);
+   an idle keep-alive connection is closed after KEEPALIVE_IDLE_S.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ log = structlog.get_logger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024
 DISCONNECT_POLL_S = 0.1
+KEEPALIVE_IDLE_S = 60.0
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-            411: "Length Required", 413: "Payload Too Large", 429: "Too Many Requests",
+            408: "Request Timeout", 411: "Length Required", 413: "Payload Too Large", 429: "Too Many Requests",
             431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
 
 
@@ -84,10 +88,13 @@ App = Callable[[Request, Response], Awaitable[None]]
 
 
 class HttpServer:
-    def __init__(self, app: App, max_body: int = 16 * 2**20, max_connections: int = 1024) -> None:
+    def __init__(self, app: App, max_body: int = 16 * 2**20, max_connections: int = 1024,
+                 client_timeout_s: float = 10.0) -> None:
         self.app = app
         self.max_body = max_body
         self.max_connections = max_connections
+        self.client_timeout_s = client_timeout_s
+        self.slow_peers: set[str] = set()  # logged once each (bounded below)
         self.connections = 0
         self.server: asyncio.AbstractServer | None = None
 
@@ -105,18 +112,40 @@ class HttpServer:
             if self.connections > self.max_connections:
                 await _error(Response(writer, False), 503, "too many open connections")
                 return
-            while await self._one_request(reader, writer):
-                pass
+            first = True
+            while await self._one_request(reader, writer, first):
+                first = False
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
+        except TimeoutError as exc:  # too slow a client: answered 408 above, or idle: just closed
+            self._slow(writer, str(exc))
         finally:
             self.connections -= 1
             writer.close()
 
-    async def _one_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    def _slow(self, writer: asyncio.StreamWriter, what: str) -> None:
+        peer = writer.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        if what and host not in self.slow_peers and len(self.slow_peers) < 4096:
+            self.slow_peers.add(host)
+            log.warning("closed a slow HTTP client", peer=host, what=what, timeout_s=self.client_timeout_s)
+
+    async def _read(self, coro: Awaitable[bytes], timeout_s: float, writer: asyncio.StreamWriter, what: str) -> bytes:
+        try:
+            return await asyncio.wait_for(coro, timeout_s)
+        except TimeoutError:
+            if what:
+                await _error(Response(writer, False), 408, f"{what} did not arrive within {timeout_s:g} s")
+            raise TimeoutError(what) from None
+
+    async def _one_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, first: bool) -> bool:
         """Serve one request; returns whether the connection stays open."""
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
+            # The first request's head must come within the client timeout; on a keep-alive
+            # connection the wait for the next one may be idle longer (closed quietly after that).
+            timeout = self.client_timeout_s if first else KEEPALIVE_IDLE_S
+            head = await self._read(reader.readuntil(b"\r\n\r\n"), timeout, writer,
+                                    "the request head" if first else "")
         except asyncio.IncompleteReadError:
             return False  # client closed between requests
         except asyncio.LimitOverrunError:
@@ -142,7 +171,8 @@ class HttpServer:
         if not 0 <= length <= self.max_body:
             await _error(Response(writer, False), 413, f"request body must be at most {self.max_body} bytes")
             return False
-        body = await reader.readexactly(length) if length else b""
+        body = await self._read(reader.readexactly(length), self.client_timeout_s, writer,
+                                "the request body") if length else b""
         path, _, query = target.partition("?")
         await self._run_app(Request(method.upper(), path, query, headers, body), response, reader)
         return keep_alive and response.started

@@ -66,6 +66,7 @@ class RouterConfig:
     tick_s: float = 0.1
     metrics_port: int | None = None  # also serve /metrics here (0 = any free port)
     enable_admin: bool = False  # /admin/workers: drain and role switches (router_svc/admin.py)
+    client_timeout_s: float = 10.0  # an HTTP request's head, then its body, must arrive within this
     ttft_slo_s: float | None = None  # judge every request against these (router_svc/slo.py)
     itl_slo_s: float | None = None
     rebalance: bool = False  # move workers between roles from the SLO signals (router_svc/rebalance.py)
@@ -78,7 +79,7 @@ class RouterConfig:
             raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
         if self.rebalance and not (self.ttft_slo_s and self.itl_slo_s):
             raise ValueError("--rebalance needs both --ttft-slo and --itl-slo: they are what it balances")
-        for name in ("static_timeout_s", "heartbeat_misses", "hung_timeout_s", "tick_s"):
+        for name in ("static_timeout_s", "heartbeat_misses", "hung_timeout_s", "tick_s", "client_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -112,7 +113,7 @@ class RouterService:
         self.rebalancer = Rebalancer(self.registry, admin, metrics.SLO) if cfg.rebalance else None
         self.http = HttpServer(OpenAIApp(self.router, self.registry, self.model, cfg.api_key,
                                          admin if cfg.enable_admin else None),
-                               max_connections=4 * cfg.max_inflight + 64)
+                               max_connections=4 * cfg.max_inflight + 64, client_timeout_s=cfg.client_timeout_s)
         ssl_ctx, tls = _tls(cfg)
         http_port = await self.http.start(cfg.host, cfg.http_port, ssl_ctx)
         # RPCs past the admission limit are answered RESOURCE_EXHAUSTED by the router; past this

@@ -53,6 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rebalance", action="store_true",
                    help="move workers between the prefill and decode roles when one role's SLO is missed while the "
                         "other has headroom (needs --ttft-slo and --itl-slo; zmq workers)")
+    p.add_argument("--client-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="an HTTP request's head, then its body, must arrive within this (slow clients get 408)")
     p.add_argument("--enable-admin", action="store_true",
                    help="serve /admin/workers: drain a worker, or move it to the other role without a restart "
                         "(behind --api-key when set)")
@@ -90,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
                           ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
                           block_size=args.block_size, affinity_blocks=args.affinity_blocks,
                           metrics_port=args.metrics_port, enable_admin=args.enable_admin,
-                          ttft_slo_s=args.ttft_slo, itl_slo_s=args.itl_slo, rebalance=args.rebalance)
+                          ttft_slo_s=args.ttft_slo, itl_slo_s=args.itl_slo, rebalance=args.rebalance,
+                          client_timeout_s=args.client_timeout)
     asyncio.run(serve(config))
     return 0
