@@ -71,3 +71,49 @@ def test_slow_and_oversized_clients(tmp_path):
         assert router.log.read_text().count("closed a slow HTTP client") == 1  # once per peer, not per connection
     finally:
         stop_all([router])
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def test_ten_times_overload_is_429s_not_memory(tmp_path):
+    """--max-inflight 4 and a slowed decode worker; 40 clients at once, over and over: the excess is
+    answered 429 with Retry-After at once, everything admitted completes, the router's memory stays flat."""
+    import json
+    import urllib.error
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from service_procs import start_colocated_decode, wait_workers
+
+    from tandem.default_model import ASSETS_DIR, TARGET_NAME
+
+    router = start_router("router", str(ASSETS_DIR / TARGET_NAME), tmp_path, "--max-inflight", "4")
+    procs = [router]
+    try:
+        ep = router_endpoints(router)
+        procs.append(start_colocated_decode("d1", ep["listen"], tmp_path, delay=0.01))
+        wait_workers(ep["http"], decode=1)
+
+        def one(i: int) -> tuple[int, str | None]:
+            body = json.dumps({"prompt": f"# {i}\n", "max_tokens": 8, "temperature": 0}).encode()
+            req = urllib.request.Request(f"{ep['http']}/v1/completions", body, {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.status, None
+            except urllib.error.HTTPError as e:
+                return e.code, e.headers.get("Retry-After")
+
+        with ThreadPoolExecutor(40) as pool:
+            list(pool.map(one, range(40)))  # warm-up: the router's steady state
+            before = _rss_mb(router.popen.pid)
+            results = [r for _ in range(5) for r in pool.map(one, range(40))]
+        after = _rss_mb(router.popen.pid)
+        codes = [c for c, _ in results]
+        assert set(codes) <= {200, 429} and codes.count(429) >= 40 and codes.count(200) >= 20, codes
+        assert all(retry == "1" for c, retry in results if c == 429)
+        assert after - before < 30, (before, after)  # 200 requests at 10x the admission limit: no growth
+    finally:
+        stop_all(procs)
