@@ -38,16 +38,18 @@ from tandem.observability.logging import bind_request
 
 class OpenAIApp:
     def __init__(self, router: Router, registry: Registry, model: ServedModel, api_key: str | None = None,
-                 admin: Admin | None = None) -> None:
+                 admin: Admin | None = None, protect_metrics: bool = False) -> None:
         self.router = router
         self.registry = registry
         self.admin = admin  # /admin/* (router_svc/admin.py); None: off
+        # with an API key, these paths need it (/health never does: probes)
+        self.guarded = ("/v1", "/admin", "/metrics") if protect_metrics else ("/v1", "/admin")
         self.api_key = api_key  # /v1/* need `Authorization: Bearer <key>`; /health and /metrics stay open
         self.model = model
 
     async def __call__(self, request: Request, response: Response) -> None:
         route = (request.method, request.path.rstrip("/") or "/")
-        if self.api_key and request.path.startswith(("/v1", "/admin")) and not key_matches(
+        if self.api_key and request.path.startswith(self.guarded) and not key_matches(
                 request.headers.get("authorization", ""), self.api_key):
             await response.json(401, {"error": {"message": "missing or wrong API key: send 'Authorization: Bearer "
                                                            "<key>'", "type": "invalid_request_error",

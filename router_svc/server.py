@@ -67,6 +67,7 @@ class RouterConfig:
     metrics_port: int | None = None  # also serve /metrics here (0 = any free port)
     enable_admin: bool = False  # /admin/workers: drain and role switches (router_svc/admin.py)
     client_timeout_s: float = 10.0  # an HTTP request's head, then its body, must arrive within this
+    protect_metrics: bool = False  # /metrics on the HTTP port needs the API key too
     ttft_slo_s: float | None = None  # judge every request against these (router_svc/slo.py)
     itl_slo_s: float | None = None
     rebalance: bool = False  # move workers between roles from the SLO signals (router_svc/rebalance.py)
@@ -77,6 +78,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
+        if self.protect_metrics and not self.api_key:
+            raise ValueError("--protect-metrics needs --api-key (or TANDEM_API_KEY)")
         if self.rebalance and not (self.ttft_slo_s and self.itl_slo_s):
             raise ValueError("--rebalance needs both --ttft-slo and --itl-slo: they are what it balances")
         for name in ("static_timeout_s", "heartbeat_misses", "hung_timeout_s", "tick_s", "client_timeout_s"):
@@ -112,7 +115,7 @@ class RouterService:
         metrics.SLO = SloTracker(cfg.ttft_slo_s, cfg.itl_slo_s) if cfg.ttft_slo_s or cfg.itl_slo_s else None
         self.rebalancer = Rebalancer(self.registry, admin, metrics.SLO) if cfg.rebalance else None
         self.http = HttpServer(OpenAIApp(self.router, self.registry, self.model, cfg.api_key,
-                                         admin if cfg.enable_admin else None),
+                                         admin if cfg.enable_admin else None, cfg.protect_metrics),
                                max_connections=4 * cfg.max_inflight + 64, client_timeout_s=cfg.client_timeout_s)
         ssl_ctx, tls = _tls(cfg)
         http_port = await self.http.start(cfg.host, cfg.http_port, ssl_ctx)

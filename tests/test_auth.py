@@ -41,7 +41,7 @@ def test_api_key_guards_the_api_but_not_the_probes(tmp_path):
         assert [m.id for m in models.data] == [TARGET_NAME]
         assert get_json(f"{ep['http']}/health")[0] == 503  # open, and honest: no decode worker
         with urllib.request.urlopen(f"{ep['http']}/metrics", timeout=10) as r:
-            assert r.status == 200
+            assert r.status == 200  # open by default: scrapers; --protect-metrics guards it (below)
         from tandem.protocol import generation_pb2 as pb
 
         request = pb.GenerateRequest(text="x", sampling=pb.SamplingParams(max_tokens=2))
@@ -52,5 +52,21 @@ def test_api_key_guards_the_api_but_not_the_probes(tmp_path):
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Generate(request, metadata=metadata, timeout=10))
             assert err.value.code() == code, (metadata, err.value)
+    finally:
+        stop_all([router])
+
+
+def test_protect_metrics_puts_metrics_behind_the_key(tmp_path):
+    router = start_router("router", str(ASSETS_DIR / TARGET_NAME), tmp_path, "--api-key", KEY, "--protect-metrics")
+    try:
+        http = router_endpoints(router)["http"]
+        for headers, status in (({}, 401), ({"Authorization": f"Bearer {KEY}"}, 200)):
+            req = urllib.request.Request(f"{http}/metrics", headers=headers)
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    assert (r.status, b"tandem_router" in r.read()) == (status, True)
+            except urllib.error.HTTPError as e:
+                assert e.code == status
+        assert get_json(f"{http}/health")[0] == 503  # probes stay open
     finally:
         stop_all([router])

@@ -55,6 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "other has headroom (needs --ttft-slo and --itl-slo; zmq workers)")
     p.add_argument("--client-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="an HTTP request's head, then its body, must arrive within this (slow clients get 408)")
+    p.add_argument("--protect-metrics", action="store_true",
+                   help="/metrics on the HTTP port needs the API key too (Prometheus: bearer_token); /health stays "
+                        "open; --metrics-port serves an unguarded copy for a private network")
     p.add_argument("--enable-admin", action="store_true",
                    help="serve /admin/workers: drain a worker, or move it to the other role without a restart "
                         "(behind --api-key when set)")
@@ -93,6 +96,6 @@ def run(args: argparse.Namespace) -> int:
                           block_size=args.block_size, affinity_blocks=args.affinity_blocks,
                           metrics_port=args.metrics_port, enable_admin=args.enable_admin,
                           ttft_slo_s=args.ttft_slo, itl_slo_s=args.itl_slo, rebalance=args.rebalance,
-                          client_timeout_s=args.client_timeout)
+                          client_timeout_s=args.client_timeout, protect_metrics=args.protect_metrics)
     asyncio.run(serve(config))
     return 0
