@@ -14,6 +14,8 @@ Slot numbers address one token row: `slot = block_id * block_size + offset`; slo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -67,25 +69,81 @@ def store_kv(
         kv_cache[blocks, 1, offsets] = value.to(kv_cache.dtype)
 
 
-def _gather_tokens(
-    kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, block_ids: torch.Tensor, out_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks [..., n] -> K, V as [..., n * block_size, Hkv, D] in out_dtype (dequantized).
+def _block_rows(block_ids: torch.Tensor) -> torch.Tensor:
+    """Rows of the cache seen as [num_blocks * 2, block_size, Hkv, D] holding blocks `block_ids`
+    (row 2b is block b's K, 2b + 1 its V): all K rows, then all V rows."""
+    rows = block_ids.reshape(-1).long() * 2
+    return torch.cat([rows, rows + 1])
 
-    One `index_select` over the cache seen as [num_blocks * 2, block_size, Hkv, D] (row 2b is block
-    b's K, 2b + 1 its V) copies whole contiguous rows: 2.4-2.8x faster than advanced indexing of the
-    K and V views, which copies element-strided."""
-    lead = block_ids.shape
+
+def _gather_rows(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, rows: torch.Tensor,
+                 shape: tuple[int, ...], out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of `rows` (from _block_rows) as tensors of `shape`, in out_dtype (dequantized). One
+    `index_select` copies whole contiguous rows: 2.4-2.8x faster than advanced indexing of the K and
+    V views, which copies element-strided."""
     bs, h, d = kv_cache.shape[2:]
-    shape = (*lead[:-1], lead[-1] * bs, h, d)
-    rows = block_ids.reshape(-1) * 2
-    n = rows.numel()
-    rows = torch.cat([rows, rows + 1])
     kv = torch.index_select(kv_cache.reshape(-1, bs, h, d), 0, rows)
     if kv_scale is not None:
         kv = dequantize_rows(kv, torch.index_select(kv_scale.reshape(-1, bs, h), 0, rows), out_dtype)
     kv = kv.to(out_dtype)
+    n = rows.numel() // 2
     return kv[:n].view(shape), kv[n:].view(shape)
+
+
+def _gather_tokens(
+    kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, block_ids: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [..., n] -> K, V as [..., n * block_size, Hkv, D] in out_dtype (dequantized)."""
+    lead = block_ids.shape
+    bs, h, d = kv_cache.shape[2:]
+    return _gather_rows(kv_cache, kv_scale, _block_rows(block_ids), (*lead[:-1], lead[-1] * bs, h, d), out_dtype)
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """Sequences of a decode batch attended together, padded to the longest of them."""
+    idx: torch.Tensor | None  # their rows in the batch (None: the whole batch, in order)
+    rows: torch.Tensor  # cache rows to gather (_block_rows)
+    shape: tuple[int, ...]  # [b, keys, Hkv, D] of the gathered K and V
+    mask: torch.Tensor  # [b, 1, Q, keys]: query q of sequence i sees key j
+
+
+# The plan of the last decode batch. Every layer of a step calls with the same block_tables and
+# seq_lens tensors, so bucketing, gather rows and masks (~20 small ops) are built once per step, not
+# once per layer. Keyed on the tensors' identity (the plan holds them, so no new tensor can take
+# their id): callers must not edit them in place between calls, and the engine builds them per step.
+_last_plan: list = [None]
+
+
+def _decode_plan(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 q_len: int) -> list[_Bucket]:
+    bs, h, d = kv_cache.shape[2:]
+    key = (block_tables, seq_lens, q_len, bs, h, d)
+    last = _last_plan[0]
+    if last is not None and all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(last[0], key)):
+        return last[1]
+    lens = seq_lens.tolist()
+    groups: list[list[int] | None] = [None]
+    if len(lens) >= 2 and max(lens) > 2 * min(lens) + 64:
+        order, groups, start = sorted(range(len(lens)), key=lens.__getitem__), [], 0
+        while start < len(order):
+            end, limit = start + 1, 2 * lens[order[start]] + 64
+            while end < len(order) and lens[order[end]] <= limit:
+                end += 1
+            groups.append(order[start:end])
+            start = end
+    dev, buckets = block_tables.device, []
+    for group in groups:
+        idx = None if group is None else torch.tensor(group, device=dev)
+        glens = lens if group is None else [lens[i] for i in group]
+        n_blocks = (max(glens) + bs - 1) // bs
+        tables = (block_tables if idx is None else block_tables[idx])[:, :n_blocks]
+        key_pos = torch.arange(n_blocks * bs, device=dev)
+        query_pos = torch.tensor(glens, device=dev).view(-1, 1) - q_len + torch.arange(q_len, device=dev)
+        mask = (key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)).unsqueeze(1)
+        buckets.append(_Bucket(idx, _block_rows(tables), (len(glens), n_blocks * bs, h, d), mask))
+    _last_plan[0] = (key, buckets)
+    return buckets
 
 
 def paged_decode_attention(
@@ -106,38 +164,20 @@ def paged_decode_attention(
     On CPU the batch is padded to its longest context, so sequences are grouped into buckets of
     similar length first: one long context must not make every short one pay for its keys.
     """
-    lens = seq_lens.tolist()
-    if len(lens) < 2 or max(lens) <= 2 * min(lens) + 64:
-        return _padded_decode_attention(query, kv_cache, block_tables, seq_lens, scale, kv_scale)
-    order = sorted(range(len(lens)), key=lens.__getitem__)
+    q_len = query.shape[1]
+    buckets = _decode_plan(kv_cache, block_tables, seq_lens, q_len)
+    if len(buckets) == 1:
+        return _bucket_attention(query, kv_cache, kv_scale, buckets[0], scale)
     out = torch.empty_like(query)
-    start = 0
-    while start < len(order):
-        end, limit = start + 1, 2 * lens[order[start]] + 64
-        while end < len(order) and lens[order[end]] <= limit:
-            end += 1
-        idx = torch.tensor(order[start:end], device=query.device)
-        out[idx] = _padded_decode_attention(query[idx], kv_cache, block_tables[idx], seq_lens[idx], scale, kv_scale)
-        start = end
+    for bucket in buckets:
+        out[bucket.idx] = _bucket_attention(query[bucket.idx], kv_cache, kv_scale, bucket, scale)
     return out
 
 
-def _padded_decode_attention(query, kv_cache, block_tables, seq_lens, scale, kv_scale):
-    b, q_len, h, d = query.shape
-    max_blocks = int((int(seq_lens.max()) + kv_cache.shape[2] - 1) // kv_cache.shape[2])
-    k, v = _gather_tokens(kv_cache, kv_scale, block_tables[:, :max_blocks].long(), query.dtype)
-    n_keys = k.shape[1]
-    key_pos = torch.arange(n_keys, device=query.device)
-    query_pos = seq_lens.view(b, 1).long() - q_len + torch.arange(q_len, device=query.device).view(1, q_len)
-    mask = key_pos.view(1, 1, n_keys) <= query_pos.view(b, q_len, 1)  # [B, Q, K]
-    out = F.scaled_dot_product_attention(
-        query.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask.unsqueeze(1),
-        scale=scale,
-        enable_gqa=h != k.shape[2],
-    )
+def _bucket_attention(query, kv_cache, kv_scale, bucket: _Bucket, scale: float) -> torch.Tensor:
+    k, v = _gather_rows(kv_cache, kv_scale, bucket.rows, bucket.shape, query.dtype)
+    out = F.scaled_dot_product_attention(query.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=bucket.mask, scale=scale, enable_gqa=query.shape[2] != k.shape[2])
     return out.transpose(1, 2)
 
 
