@@ -150,7 +150,9 @@ class PrefillWorker:
 
     def _validated(self, msg: dict):
         bs = self.engine.config.block_size
-        params = dataclasses.replace(SamplingParams.from_dict(msg["sampling"]), max_tokens=1)
+        params = SamplingParams.from_dict(msg["sampling"])
+        # P samples the first token only: with min_tokens >= 1 that token must not end the request
+        params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         req = self.engine.make_request(msg["id"], msg["token_ids"], params)
         send_from = msg["send_from"]
         if send_from % bs or not 0 <= send_from < req.num_tokens:

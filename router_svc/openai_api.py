@@ -4,7 +4,8 @@ completion / chat.completion objects and their streaming chunks. Pure functions,
 Field mapping: max_tokens (chat: max_completion_tokens or max_tokens), temperature, top_p, n (1 only),
 stop (str or list), seed, logprobs (+ top_logprobs for chat), stream, stream_options.include_usage,
 response_format / structured_outputs / guided_* (router_svc/structured_request.py);
-tandem extras: top_k, min_p, ignore_eos, stop_token_ids. Parameters tandem does not implement are
+presence_penalty, frequency_penalty, logit_bias; tandem (vLLM) extras: top_k, min_p, ignore_eos, stop_token_ids,
+repetition_penalty, min_tokens. Parameters tandem does not implement are
 accepted only at their neutral value, otherwise a 400 that names them.
 """
 
@@ -23,11 +24,11 @@ from tandem.sampling_params import SamplingParams
 SAMPLING_NAMES = frozenset(SamplingParams.__dataclass_fields__)
 # Parameter -> the values that mean "not used" (anything else is refused, not silently ignored).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
 }
-_EXTRAS = ("top_k", "min_p", "ignore_eos", "stop_token_ids")
+_EXTRAS = ("top_k", "min_p", "ignore_eos", "stop_token_ids", "repetition_penalty", "min_tokens")
+_PENALTIES = ("presence_penalty", "frequency_penalty", "logit_bias")
 
 
 @dataclass(slots=True)
@@ -97,7 +98,7 @@ def _sampling(body: dict, max_tokens: Any, default_max: int, logprobs: int | Non
         raise BadRequest("stop must be a string or a list of strings", param="stop")
     kw: dict[str, Any] = {"max_tokens": default_max if max_tokens is None else max_tokens,
                           "stop": stop or [], "logprobs": logprobs}
-    for name in ("temperature", "top_p", "seed", *_EXTRAS):
+    for name in ("temperature", "top_p", "seed", *_PENALTIES, *_EXTRAS):
         if body.get(name) is not None:
             kw[name] = body[name]
     structured = structured_from_body(body)  # response_format / structured_outputs / guided_*

@@ -23,6 +23,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (plus the chosen token's)
+    # Logits processing (tandem/engine/logits_processors.py), vLLM's and OpenAI's meanings.
+    presence_penalty: float = 0.0  # [-2, 2]: minus this for a token already in the output
+    frequency_penalty: float = 0.0  # [-2, 2]: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # > 0: tokens of the prompt or output have positive logits divided by it
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    min_tokens: int = 0  # EOS and stop_token_ids are forbidden until this many tokens were generated
     # Constrain the output to a grammar (tandem/engine/structured.py): exactly one of {"json": schema},
     # {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": lark}; plus
     # "resume_tokens": n when the prompt's last n tokens were generated under it (a migrated request).
@@ -61,10 +67,38 @@ class SamplingParams:
             raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
         if self.structured_outputs is not None:
             check_structured(self.structured_outputs)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name))
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        if self.logit_bias is not None:
+            self._check_logit_bias()
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
             if self.logprobs > 20:
                 raise ValueError(f"logprobs must be at most 20, got {self.logprobs}")
+
+    def _check_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise TypeError(f"logit_bias must be a map of token id to bias, got {type(self.logit_bias).__name__}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        bias = {}
+        for token, value in self.logit_bias.items():
+            if isinstance(token, str) and token.strip().isdigit():  # JSON object keys are strings
+                token = int(token)
+            _check_int("logit_bias token id", token, minimum=0)
+            _check_number("logit_bias value", value)
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {token}")
+            bias[token] = float(value)
+        self.logit_bias = bias
 
     @classmethod
     def from_dict(cls, data: dict) -> "SamplingParams":
@@ -76,7 +110,11 @@ class SamplingParams:
         return cls(**data)
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """A wire/JSON dict (logit_bias keys as strings: msgpack and JSON maps keep string keys)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.logit_bias:
+            out["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
+        return out
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -94,6 +132,7 @@ def _check_number(name: str, value: object) -> None:
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_LOGIT_BIAS = 300
 
 
 def check_structured(spec: object) -> dict:

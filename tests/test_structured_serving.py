@@ -1,7 +1,9 @@
 """Structured outputs through the front door, disaggregated (router + prefill + decode processes,
 every prompt prefilled remotely, so the first token is sampled under the grammar on the prefill
 worker): OpenAI `response_format` (json_schema, json_object), vLLM's `structured_outputs` and
-`guided_choice`; greedy equal to the offline engine; every seeded sample valid; bad grammars 400."""
+`guided_choice`; greedy equal to the offline engine; every seeded sample valid; bad grammars 400.
+Also the logits controls the same way: penalties, logit_bias (string keys, as JSON sends them) and
+min_tokens equal to the offline engine, P sampling the first token under them."""
 
 from __future__ import annotations
 
@@ -86,6 +88,20 @@ def test_grpc_structured_outputs(cluster):
             list(stub.Generate(pb.GenerateRequest(text="x", sampling=pb.SamplingParams(structured_outputs=bad)),
                                timeout=60))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured_outputs" in err.value.details()
+
+
+def test_penalties_and_logit_bias_equal_offline(cluster):
+    from tandem import LLM, SamplingParams
+
+    kw = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "repetition_penalty": 1.2, "min_tokens": 8}
+    status, out = complete(cluster["http"], temperature=0, max_tokens=20, logit_bias={"1": 20, "40": 2.5}, **kw)
+    assert status == 200, out
+    expected = LLM(cluster["ckpt"], num_kv_blocks=256).generate(["record = "], SamplingParams(
+        temperature=0, max_tokens=20, logit_bias={1: 20, 40: 2.5}, **kw))[0]
+    assert out["choices"][0]["text"] == expected.text and out["usage"]["completion_tokens"] == len(expected.token_ids)
+    assert len(expected.token_ids) == 9  # EOS (+20) forbidden for 8 tokens, taken at once after
+    status, out = complete(cluster["http"], logit_bias={"999999": 1})
+    assert status == 400 and out["error"]["param"] == "logit_bias", out
 
 
 @pytest.mark.parametrize("body,param", [

@@ -128,6 +128,9 @@ class LLMEngine:
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        if params.logit_bias and max(params.logit_bias) >= self.model_config.vocab_size:
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary "
+                             f"({self.model_config.vocab_size} tokens)")
         req = Request(rid, ids, params, self.eos_token_ids, max_tokens)
         if params.structured_outputs is not None:
             resume = params.structured_outputs.get("resume_tokens", 0)

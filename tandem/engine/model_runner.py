@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from kernels import get_ops
-from tandem.engine import sampler, spec_decode, structured
+from tandem.engine import logits_processors, sampler, spec_decode, structured
 from tandem.engine.interfaces.kv_quantizer import KVQuantizer, NoQuantizer
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.layers.attention import AttentionMetadata
@@ -116,7 +116,8 @@ class ModelRunner:
                 plain.append((r, offset))
                 per_req[rid] = logits[offset:offset + 1]
             else:
-                rows = logits[offset:offset + k]
+                rows = logits_processors.process(logits[offset:offset + k], [r] * k,
+                                                 [s.spec_token_ids[:j] for j in range(k)])
                 if r.grammar is not None:  # row j under the grammar state the first j draft tokens lead to
                     r.grammar.sync(r.output_token_ids)
                     masks = r.grammar.allowed_along(s.spec_token_ids)
@@ -130,7 +131,7 @@ class ModelRunner:
         self.draft_probs = {}
         if plain:
             reqs = [r for r, _ in plain]
-            rows = logits[[row for _, row in plain]]
+            rows = logits_processors.process(logits[[row for _, row in plain]], reqs)
             if plain_masks is not None:  # structured outputs: only what each grammar allows next
                 constrained, allowed = plain_masks
                 rows[constrained] = structured.mask_rows(rows[constrained], allowed.result())

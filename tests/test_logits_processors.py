@@ -1,0 +1,101 @@
+"""logit_bias, min_tokens and the repetition / frequency / presence penalties: the batched processor
+equals a plain per-row reference (speculative rows included); greedy generation with them equals a
+step-by-step transformers reference on the same weights; bad values are errors naming the field."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tandem.engine import logits_processors
+from tandem.sampling_params import SamplingParams
+
+
+class FakeRequest:  # what the processor reads from a Request
+    def __init__(self, prompt, output, params, eos=(1,)):
+        self.prompt_token_ids, self.output_token_ids, self.params = prompt, output, params
+        self.num_output_tokens, self.eos_token_ids = len(output), set(eos)
+
+
+def reference_row(row, prompt, output, p, eos):
+    """One row, one token at a time, the way the docs say it."""
+    row = row.clone()
+    for t, b in (p.logit_bias or {}).items():
+        row[t] += b
+    if len(output) < p.min_tokens:
+        for t in (*eos, *p.stop_token_ids):
+            row[t] = float("-inf")
+    for t in set(prompt) | set(output):
+        row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+    for t in set(output):
+        row[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    return row
+
+
+def test_batched_processor_equals_per_row_reference():
+    rng, vocab = random.Random(0), 64
+    reqs, extras = [], []
+    for i in range(12):
+        params = SamplingParams(max_tokens=50, presence_penalty=rng.choice([0.0, 0.5, -1.0]),
+                                frequency_penalty=rng.choice([0.0, 0.3, 1.5]),
+                                repetition_penalty=rng.choice([1.0, 1.3, 0.7]), min_tokens=rng.choice([0, 3, 9]),
+                                stop_token_ids=[5] if i % 3 == 0 else [],
+                                logit_bias={rng.randrange(vocab): rng.uniform(-5, 5) for _ in range(i % 4)} or None)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 10))]
+        output = [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]
+        reqs.append(FakeRequest(prompt, output, params))
+        extras.append([rng.randrange(vocab) for _ in range(rng.randint(0, 3))])  # a speculative row's drafts
+    rows = torch.randn(12, vocab)
+    got = logits_processors.process(rows, reqs, extras)
+    for i, r in enumerate(reqs):
+        want = reference_row(rows[i], r.prompt_token_ids, r.output_token_ids + extras[i], r.params, (1,))
+        assert torch.allclose(got[i], want, atol=1e-5), i
+    plain = [FakeRequest([1, 2], [3], SamplingParams())]
+    assert logits_processors.process(rows[:1], plain) is rows[:1] or torch.equal(
+        logits_processors.process(rows[:1], plain), rows[:1])  # untouched rows stay as they were
+
+
+def test_bad_values_name_the_field():
+    for kw, field in [(dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty="a"), "frequency"),
+                      (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_tokens=-1), "min_tokens"),
+                      (dict(min_tokens=9, max_tokens=4), "min_tokens"), (dict(logit_bias=[1, 2]), "logit_bias"),
+                      (dict(logit_bias={3: 101}), "logit_bias"), (dict(logit_bias={i: 1 for i in range(301)}),
+                                                                  "logit_bias")]:
+        with pytest.raises((ValueError, TypeError), match=field):
+            SamplingParams(**kw)
+    assert SamplingParams(logit_bias={"7": 2}).to_dict()["logit_bias"] == {"7": 2.0}  # wire: string keys
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [dict(repetition_penalty=1.5), dict(frequency_penalty=1.2, presence_penalty=0.6),
+                                dict(repetition_penalty=1.3, presence_penalty=-0.5, logit_bias={40: 3.0, 41: -2.0}),
+                                dict(min_tokens=12, logit_bias={1: 50.0})],
+                         ids=["repetition", "freq+presence", "mixed+bias", "min_tokens"])
+@pytest.mark.parametrize("speculator", [None, "ngram"])
+def test_greedy_with_penalties_equals_transformers_reference(tmp_path_factory, kw, speculator):
+    import transformers
+    from tiny_models import make_checkpoint
+
+    from tandem import LLM
+
+    ckpt = make_checkpoint(str(tmp_path_factory.mktemp("pen") / "ckpt"))
+    options = {"speculator": "ngram", "num_speculative_tokens": 3} if speculator else {}
+    llm = LLM(ckpt, num_kv_blocks=256, **options)
+    prompt = llm.engine.tokenizer.encode("def f(x):\n    return x + x + x + x")
+    params = SamplingParams(temperature=0, max_tokens=30, **kw)
+    got = llm.generate([prompt], params)[0].token_ids
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32).eval()
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(30):
+            row = reference_row(model(torch.tensor([ids])).logits[0, -1], prompt, out, params, (1,))
+            token = int(row.argmax())
+            out.append(token)
+            ids.append(token)
+            if token == 1:
+                break
+    assert got == out
+    if "min_tokens" in kw:  # EOS was the favourite (bias 50) but is forbidden until the 12th token
+        assert len(got) == 13 and got[-1] == 1
