@@ -66,7 +66,9 @@ def grpc_answer(target: str) -> str:
 def offline_answers() -> dict[str, str]:
     from tandem import LLM, SamplingParams
 
-    outs = LLM().generate(list(PROMPTS.values()), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    llm = LLM()  # with the checkpoint's generation_config defaults, as the server applies them
+    outs = llm.generate(list(PROMPTS.values()), SamplingParams(**{**llm.sampling_defaults, "temperature": 0,
+                                                                  "max_tokens": MAX_TOKENS, "ignore_eos": True}))
     return {door: out.text for door, out in zip(PROMPTS, outs)}
 
 

@@ -40,7 +40,9 @@ MAX_TOKENS = 48
 def expected_answers(model: str) -> dict[str, str]:
     from tandem import LLM, SamplingParams
 
-    outs = LLM(model).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    llm = LLM(model)  # with the checkpoint's generation_config defaults, as the server applies them
+    outs = llm.generate(PROMPTS, SamplingParams(**{**llm.sampling_defaults, "temperature": 0,
+                                                   "max_tokens": MAX_TOKENS, "ignore_eos": True}))
     return {p: o.text for p, o in zip(PROMPTS, outs)}
 
 

@@ -35,8 +35,10 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 _OPTIONAL_SCALARS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs")
 
 
-def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    kw: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL_SCALARS if msg.HasField(name)}
+def sampling_from_proto(msg: pb.SamplingParams, defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """`defaults`: the checkpoint's generation_config.json values, for the fields the message leaves unset."""
+    kw: dict[str, Any] = {**(defaults or {}),
+                          **{name: getattr(msg, name) for name in _OPTIONAL_SCALARS if msg.HasField(name)}}
     kw["stop"] = list(msg.stop)
     kw["stop_token_ids"] = list(msg.stop_token_ids)
     if msg.HasField("structured_outputs"):
@@ -103,7 +105,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             self.model.check_model(request.model)
             ids = prompt_from_proto(request, self.model)
-            params = sampling_from_proto(request.sampling)
+            params = sampling_from_proto(request.sampling, self.model.sampling_defaults)
             stream = self.router.submit(ids, params, rid)
             metrics.request_admitted(rid, ids, self.model)
             completion_tokens = [0]

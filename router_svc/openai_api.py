@@ -56,7 +56,8 @@ def parse_completion(body: Any, model: ServedModel) -> ParsedRequest:
     lp = body.get("logprobs")
     if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int)):
         raise BadRequest("logprobs must be an integer (the number of top logprobs) for completions", param="logprobs")
-    params = _sampling(body, max_tokens=body.get("max_tokens"), default_max=16, logprobs=lp)
+    params = _sampling(body, max_tokens=body.get("max_tokens"), default_max=16, logprobs=lp,
+                       defaults=model.sampling_defaults)
     return ParsedRequest(ids, params, _stream(body), _include_usage(body), chat=False)
 
 
@@ -75,7 +76,7 @@ def parse_chat(body: Any, model: ServedModel) -> ParsedRequest:
         max_tokens = body.get("max_tokens")
     # OpenAI's chat default is "as long as the context allows": D caps max_tokens at its max_model_len.
     params = _sampling(body, max_tokens=max_tokens, default_max=model.max_model_len or 4096,
-                       logprobs=(top or 0) if lp else None)
+                       logprobs=(top or 0) if lp else None, defaults=model.sampling_defaults)
     return ParsedRequest(ids, params, _stream(body), _include_usage(body), chat=True)
 
 
@@ -92,11 +93,13 @@ def _common_checks(body: Any, model: ServedModel) -> dict:
     return body
 
 
-def _sampling(body: dict, max_tokens: Any, default_max: int, logprobs: int | None) -> SamplingParams:
+def _sampling(body: dict, max_tokens: Any, default_max: int, logprobs: int | None,
+              defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """`defaults`: the checkpoint's generation_config.json values, for the fields the body leaves unset."""
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
         raise BadRequest("stop must be a string or a list of strings", param="stop")
-    kw: dict[str, Any] = {"max_tokens": default_max if max_tokens is None else max_tokens,
+    kw: dict[str, Any] = {**(defaults or {}), "max_tokens": default_max if max_tokens is None else max_tokens,
                           "stop": stop or [], "logprobs": logprobs}
     for name in ("temperature", "top_p", "seed", *_PENALTIES, *_EXTRAS):
         if body.get(name) is not None:

@@ -10,6 +10,7 @@ from typing import Any
 import jinja2.ext  # noqa: F401  tandem.tokenizer uses jinja2.ext.loopcontrols without importing the submodule
 
 from router_svc.errors import BadRequest, ModelNotFound
+from tandem.sampling_params import model_defaults
 from tandem.tokenizer import Tokenizer
 
 
@@ -20,6 +21,7 @@ class ServedModel:
         self.tokenizer = Tokenizer(path)
         self.created = int(os.path.getmtime(path))
         self.max_model_len = _max_model_len(path)
+        self.sampling_defaults = model_defaults(path)  # generation_config.json: for fields a request leaves unset
 
     def check_model(self, requested: Any) -> None:
         """OpenAI requires `model`; we accept it missing/empty (single-model server) but not wrong."""

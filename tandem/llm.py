@@ -7,7 +7,7 @@ from typing import Iterator, Sequence
 from tandem.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
 from tandem.outputs import RequestOutput
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, model_defaults
 
 Prompt = str | list[int]
 
@@ -25,6 +25,11 @@ class LLM:
             raise ValueError(f"unknown engine option(s) {sorted(unknown)}; known: {EngineConfig.option_names()}")
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self.tokenizer = self.engine.tokenizer
+        self.sampling_defaults = model_defaults(model)  # generation_config.json (as vLLM's "auto")
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults: what params=None uses."""
+        return SamplingParams(**self.sampling_defaults)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -47,7 +52,7 @@ class LLM:
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield a RequestOutput per step for one prompt (text_delta holds the new text)."""
-        rid = self.engine.add_request(None, prompt, params or SamplingParams())
+        rid = self.engine.add_request(None, prompt, params or self.get_default_sampling_params())
         while True:
             for out in self.engine.step():
                 if out.request_id == rid:
@@ -67,10 +72,9 @@ class LLM:
             raise ValueError(f"{len(ids)} tokens exceed max_model_len={self.engine.max_model_len}")
         return self.engine.runner.score(ids)
 
-    @staticmethod
-    def _params_for(n: int, params) -> list[SamplingParams]:
+    def _params_for(self, n: int, params) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams() for _ in range(n)]
+            return [self.get_default_sampling_params() for _ in range(n)]
         if isinstance(params, SamplingParams):
             return [params] * n
         params = list(params)

@@ -155,3 +155,27 @@ def check_structured(spec: object) -> dict:
     if "resume_tokens" in spec:
         _check_int("structured_outputs.resume_tokens", spec["resume_tokens"], minimum=0)
     return spec
+
+
+# generation_config.json keys a checkpoint may use to set default sampling (vLLM's list), by our name
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                          "repetition_penalty": "repetition_penalty"}
+
+
+def model_defaults(model_dir: str) -> dict:
+    """The sampling defaults a checkpoint's generation_config.json sets (as transformers and vLLM
+    read it): used for every field a request leaves unset. {} without the file."""
+    import json
+    import os
+
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    out = {ours: raw[theirs] for theirs, ours in GENERATION_CONFIG_KEYS.items() if raw.get(theirs) is not None}
+    try:
+        SamplingParams(**out)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return out

@@ -37,8 +37,9 @@ MAX_TOKENS = 100
 def expected() -> str:
     from tandem import LLM, SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return LLM(str(TARGET_DIR)).generate([PROMPT], params)[0].text
+    llm = LLM(str(TARGET_DIR))  # the server applies the checkpoint's generation_config defaults: so do we
+    params = SamplingParams(**{**llm.sampling_defaults, "temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True})
+    return llm.generate([PROMPT], params)[0].text
 
 
 def test_sigterm_drains_a_decode_worker(tmp_path, expected):

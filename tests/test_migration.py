@@ -53,7 +53,9 @@ def stream_and_kill(http: str, workers: dict[str, Proc], **sampling) -> tuple[st
 def expected() -> str:
     from tandem import LLM, SamplingParams
 
-    out = LLM(str(TARGET_DIR)).generate([PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    llm = LLM(str(TARGET_DIR))  # with the checkpoint's generation_config defaults, as the server applies them
+    out = llm.generate([PROMPT], SamplingParams(**{**llm.sampling_defaults, "temperature": 0, "max_tokens": MAX_TOKENS,
+                                                   "ignore_eos": True}))
     return out[0].text
 
 
@@ -87,9 +89,9 @@ def test_seeded_sampling_continues_exactly_after_migration(tmp_path):
 
     params = {"temperature": 1.0, "top_p": 0.95, "seed": 1234}
     llm = LLM(str(TARGET_DIR))
-    expected = llm.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **params))[0].text
-    other = llm.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
-                                                  **{**params, "seed": 4321}))[0].text
+    base = {**llm.sampling_defaults, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    expected = llm.generate([PROMPT], SamplingParams(**base, **params))[0].text
+    other = llm.generate([PROMPT], SamplingParams(**base, **{**params, "seed": 4321}))[0].text
     assert other != expected  # the seed matters, so equality below is not luck
     router = start_router("router", str(TARGET_DIR), tmp_path)
     procs = [router]

@@ -44,7 +44,9 @@ def start(role: str, name: str, router: str, logs: Path, *flags: str, env: dict 
 def expected() -> str:
     from tandem import LLM, SamplingParams
 
-    return LLM(str(TARGET_DIR)).generate([PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0].text
+    llm = LLM(str(TARGET_DIR))  # with the checkpoint's generation_config defaults, as the server applies them
+    return llm.generate([PROMPT], SamplingParams(**{**llm.sampling_defaults, "temperature": 0,
+                                                    "max_tokens": MAX_TOKENS}))[0].text
 
 
 @pytest.mark.parametrize("fate", ["sigkill", "sigstop", "slow"])
