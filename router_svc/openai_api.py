@@ -56,8 +56,11 @@ def parse_completion(body: Any, model: ServedModel) -> ParsedRequest:
     lp = body.get("logprobs")
     if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int)):
         raise BadRequest("logprobs must be an integer (the number of top logprobs) for completions", param="logprobs")
-    params = _sampling(body, max_tokens=body.get("max_tokens"), default_max=16, logprobs=lp,
-                       defaults=model.sampling_defaults)
+    max_tokens = body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = body.get("max_tokens")
+    _check_context(ids, max_tokens, model)
+    params = _sampling(body, max_tokens=max_tokens, default_max=16, logprobs=lp, defaults=model.sampling_defaults)
     return ParsedRequest(ids, params, _stream(body), _include_usage(body), chat=False)
 
 
@@ -74,10 +77,20 @@ def parse_chat(body: Any, model: ServedModel) -> ParsedRequest:
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
+    _check_context(ids, max_tokens, model)
     # OpenAI's chat default is "as long as the context allows": D caps max_tokens at its max_model_len.
     params = _sampling(body, max_tokens=max_tokens, default_max=model.max_model_len or 4096,
                        logprobs=(top or 0) if lp else None, defaults=model.sampling_defaults)
     return ParsedRequest(ids, params, _stream(body), _include_usage(body), chat=True)
+
+
+def _check_context(ids: list[int], max_tokens: Any, model: ServedModel) -> None:
+    """An explicit max_tokens that cannot fit is an error, as vLLM answers (a default is capped instead)."""
+    limit = model.max_model_len
+    if limit and isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and len(ids) + max_tokens > limit:
+        raise BadRequest(f"This model's maximum context length is {limit} tokens. However, you requested "
+                         f"{len(ids) + max_tokens} tokens ({len(ids)} in the messages/prompt, {max_tokens} for the "
+                         "completion). Please reduce the length of the prompt or max_tokens.", param="max_tokens")
 
 
 def _common_checks(body: Any, model: ServedModel) -> dict:
@@ -90,6 +103,9 @@ def _common_checks(body: Any, model: ServedModel) -> dict:
     for name, neutral in _NEUTRAL.items():
         if name in body and body[name] not in neutral:
             raise BadRequest(f"{name} is not supported by this server (leave it unset)", param=name)
+    temperature = body.get("temperature")
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 2:
+        raise BadRequest(f"temperature must be in [0, 2], got {temperature}", param="temperature")
     return body
 
 
