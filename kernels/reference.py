@@ -51,22 +51,47 @@ def store_kv(
     kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Write K/V rows [T, Hkv, D] into the cache at `slot_mapping` [T] (-1 rows are skipped)."""
-    block_size = kv_cache.shape[2]
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    blocks = slot_mapping // block_size
-    offsets = slot_mapping % block_size
+    keep, k_rows, v_rows = _slot_plan(slot_mapping, kv_cache.shape[2])
+    if keep is not None:
+        key, value = key[keep], value[keep]
+    # index_copy_ into the cache seen as [num_blocks * 2 * block_size, Hkv, D] rows (one row per token
+    # of a block's K or V): a row copy, cheaper than advanced-index assignment.
+    rows = kv_cache.view(-1, *kv_cache.shape[3:])
     if is_quantized(kv_cache):
-        qk, sk = quantize_rows(key, kv_cache.dtype)
-        qv, sv = quantize_rows(value, kv_cache.dtype)
-        kv_cache[blocks, 0, offsets] = qk
-        kv_cache[blocks, 1, offsets] = qv
-        kv_scale[blocks, 0, offsets] = sk
-        kv_scale[blocks, 1, offsets] = sv
+        (qk, sk), (qv, sv) = quantize_rows(key, kv_cache.dtype), quantize_rows(value, kv_cache.dtype)
+        scale_rows = kv_scale.view(-1, kv_scale.shape[-1])
+        if kv_cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernel: copy the bytes
+            rows, qk, qv = rows.view(torch.uint8), qk.view(torch.uint8), qv.view(torch.uint8)
+        rows.index_copy_(0, k_rows, qk)
+        rows.index_copy_(0, v_rows, qv)
+        scale_rows.index_copy_(0, k_rows, sk)
+        scale_rows.index_copy_(0, v_rows, sv)
     else:
-        kv_cache[blocks, 0, offsets] = key.to(kv_cache.dtype)
-        kv_cache[blocks, 1, offsets] = value.to(kv_cache.dtype)
+        rows.index_copy_(0, k_rows, key.to(kv_cache.dtype))
+        rows.index_copy_(0, v_rows, value.to(kv_cache.dtype))
+
+
+_last_slots: list = [None]
+
+
+def _slot_plan(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(rows to keep or None for all, K rows, V rows) of the stored tokens, rows of the cache seen as
+    [num_blocks * 2 * block_size, ...]. Every layer of a step stores at the same slot_mapping tensor,
+    so this is computed once per step (keyed on its identity, as _decode_plan is: it must not be
+    edited in place between calls)."""
+    last = _last_slots[0]
+    if last is not None and last[0] is slot_mapping and last[1] == block_size:
+        return last[2]
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        keep, kept = None, slot_mapping
+    else:
+        kept = slot_mapping[keep]
+    kept = kept.long()
+    k_rows = kept // block_size * (2 * block_size) + kept % block_size
+    plan = (keep, k_rows, k_rows + block_size)
+    _last_slots[0] = (slot_mapping, block_size, plan)
+    return plan
 
 
 def _block_rows(block_ids: torch.Tensor) -> torch.Tensor:

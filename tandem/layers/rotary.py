@@ -41,11 +41,10 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D], k [T, Hkv, D] rotated by rope = (cos, sin) from RotaryEmbedding.lookup."""
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [T, heads, D] rotated by rope = (cos, sin) from RotaryEmbedding.lookup."""
     cos, sin = rope
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
