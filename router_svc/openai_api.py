@@ -211,9 +211,10 @@ def usage_chunk(rid: str, chat: bool, model: str, totals: Totals) -> dict:
     return {**_envelope(rid, chat, model, True), "choices": [], "usage": totals.usage()}
 
 
-def format_logprobs(chunk: Chunk, model: ServedModel, chat: bool) -> Any:
+def format_logprobs(chunk: Chunk, model: ServedModel, chat: bool, offset: int = 0) -> Any:
     """D's per-token logprobs ({token_id: logprob} per generated token, the chosen one included) in
-    OpenAI's shape; None when D sent none."""
+    OpenAI's shape; None when D sent none. `offset`: where this chunk's text starts in the completion
+    (completions' `text_offset` counts characters from the completion's start)."""
     if not chunk.logprobs:
         return None
     tok = model.tokenizer
@@ -227,5 +228,7 @@ def format_logprobs(chunk: Chunk, model: ServedModel, chat: bool) -> Any:
         return {"content": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode()),
                              "top_logprobs": [{"token": text(i), "logprob": v, "bytes": list(text(i).encode())}
                                               for i, v in top]} for t, lp, top in rows]}
-    return {"tokens": [text(t) for t, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
-            "top_logprobs": [{text(i): v for i, v in top} for _, _, top in rows], "text_offset": []}
+    tokens = [text(t) for t, _, _ in rows]
+    offsets = [offset + sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in rows],
+            "top_logprobs": [{text(i): v for i, v in top} for _, _, top in rows], "text_offset": offsets}

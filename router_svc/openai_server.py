@@ -151,12 +151,13 @@ class OpenAIApp:
             metrics.request_ended(api, ended_by, stream, rid)
 
     async def _collect(self, stream: Any, response: Response, chat: bool) -> None:
-        totals, logprobs = Totals(), []
+        totals, logprobs, offset = Totals(), [], 0
         async for chunk in stream:
             totals.add(chunk)
-            lp = format_logprobs(chunk, self.model, chat)
+            lp = format_logprobs(chunk, self.model, chat, offset)
             if lp is not None:
                 logprobs.append(lp)
+                offset += _text_length(lp)
         await response.json(200, final_response(stream.request_id, chat, self.model.name, totals,
                                                 _merge_logprobs(logprobs, chat)))
 
@@ -165,9 +166,12 @@ class OpenAIApp:
         await response.start_stream()
         if chat:  # OpenAI's first chat chunk announces the role
             await _sse(response, stream_chunk(rid, True, name, "", None, first=True, include_usage=include_usage))
+        offset = 0  # completions' text_offset: characters of the tokens before, from the completion's start
         async for chunk in stream:
             totals.add(chunk)
-            lp = format_logprobs(chunk, self.model, chat)
+            lp = format_logprobs(chunk, self.model, chat, offset)
+            if lp is not None:
+                offset += _text_length(lp)
             if chunk.text or lp is not None:
                 await _sse(response, stream_chunk(rid, chat, name, chunk.text, None, lp, include_usage=include_usage))
             if chunk.finished:
@@ -177,6 +181,10 @@ class OpenAIApp:
             await _sse(response, usage_chunk(rid, chat, name, totals))
         await response.write(b"data: [DONE]\n\n")
         await response.end_stream()
+
+
+def _text_length(lp: dict) -> int:
+    return sum(len(t) for t in lp["tokens"]) if "tokens" in lp else 0
 
 
 def _merge_logprobs(parts: list[Any], chat: bool) -> Any:

@@ -104,6 +104,22 @@ def test_penalties_and_logit_bias_equal_offline(cluster):
     assert status == 400 and out["error"]["param"] == "logit_bias", out
 
 
+def test_completion_logprobs_with_text_offsets(cluster):
+    from tandem import LLM, SamplingParams
+
+    status, out = complete(cluster["http"], temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    assert status == 200, out
+    lp = out["choices"][0]["logprobs"]
+    text = out["choices"][0]["text"]
+    assert "".join(lp["tokens"]) == text and len(lp["tokens"]) == 12
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(12)]  # from the completion's start
+    offline = LLM(cluster["ckpt"], num_kv_blocks=256).generate(["record = "], SamplingParams(
+        temperature=0, max_tokens=12, logprobs=2, ignore_eos=True))[0]
+    want = [entry[t] for t, entry in zip(offline.outputs[0].token_ids, offline.outputs[0].logprobs)]
+    assert lp["token_logprobs"] == pytest.approx(want, abs=1e-4)
+    assert all(len(top) >= 2 for top in lp["top_logprobs"])
+
+
 @pytest.mark.parametrize("body,param", [
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs"),
