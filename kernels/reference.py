@@ -138,6 +138,10 @@ class _Bucket:
 # once per layer. Keyed on the tensors' identity (the plan holds them, so no new tensor can take
 # their id): callers must not edit them in place between calls, and the engine builds them per step.
 _last_plan: list = [None]
+# A bucket holds contexts up to SPREAD x its shortest + SLACK tokens: padding costs gathered and
+# attended keys, each extra bucket a gather and an SDPA call per layer. 1.25/16 beat 2/64 (the first
+# choice) by 5% and 1.1/8 by 2% in offline tok/s of bench/peer_vllm's workload (1 thread, interleaved).
+_BUCKET_SPREAD, _BUCKET_SLACK = 1.25, 16
 
 
 def _decode_plan(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -149,10 +153,10 @@ def _decode_plan(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: t
         return last[1]
     lens = seq_lens.tolist()
     groups: list[list[int] | None] = [None]
-    if len(lens) >= 2 and max(lens) > 2 * min(lens) + 64:
+    if len(lens) >= 2 and max(lens) > _BUCKET_SPREAD * min(lens) + _BUCKET_SLACK:
         order, groups, start = sorted(range(len(lens)), key=lens.__getitem__), [], 0
         while start < len(order):
-            end, limit = start + 1, 2 * lens[order[start]] + 64
+            end, limit = start + 1, int(_BUCKET_SPREAD * lens[order[start]]) + _BUCKET_SLACK
             while end < len(order) and lens[order[end]] <= limit:
                 end += 1
             groups.append(order[start:end])
