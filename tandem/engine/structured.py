@@ -31,6 +31,7 @@ from tandem.sampling_params import STRUCTURED_KINDS as KINDS
 from tandem.sampling_params import check_structured as check_spec
 
 CACHE_SIZE = 256
+INLINE_ROWS = 4  # up to this many constrained rows, masks are computed inline (no thread hand-off)
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
 
@@ -107,6 +108,12 @@ class Grammars:
         return unpack(words, self.vocab_size)
 
     def allowed_batch_async(self, states: list[GrammarState]) -> Future:
+        """allowed_batch() on a helper thread, overlapping the forward pass; a few rows are cheaper
+        done at once than handed over (the hand-off costs more than their masks)."""
+        if len(states) <= INLINE_ROWS:
+            done: Future = Future()
+            done.set_result(self.allowed_batch(states))
+            return done
         if self._mask_pool is None:
             self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         return self._mask_pool.submit(self.allowed_batch, states)
