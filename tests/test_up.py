@@ -218,3 +218,16 @@ def test_bad_flags_exit_2(tmp, capsys):
     assert "--colocated runs no prefill workers" in capsys.readouterr().err
     assert main(["up", "--model", str(tmp / "nowhere")]) == 2
     assert "no such checkpoint directory" in capsys.readouterr().err
+
+
+def test_up_sizes_the_routers_admission_limit_from_the_decode_workers():
+    from tandem.cli import build_parser
+    from tandem.cli.up import build_commands
+
+    def inflight(*argv: str) -> int:
+        router, _ = build_commands(build_parser().parse_args(["up", *argv]), "/m")
+        return int(router[router.index("--max-inflight") + 1])
+
+    assert inflight() == 2 * 64  # one decode worker of the default max_num_seqs
+    assert inflight("--decode", "3", "--max-num-seqs", "32") == 2 * 3 * 32
+    assert inflight("--max-inflight", "10") == 10

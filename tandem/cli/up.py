@@ -77,6 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the router ends a stream whose decode worker died instead of continuing it on another")
     p.add_argument("--enable-admin", action="store_true",
                    help="the router serves /admin/workers (drain, role switch; see `tandem router --help`)")
+    p.add_argument("--max-inflight", type=int, default=None,
+                   help="requests the router admits at once, past which it answers 429 (default: twice what the "
+                        "decode workers batch: 2 x --decode x --max-num-seqs)")
     p.add_argument("--ttft-slo", type=float, default=None, help="the router's TTFT target in seconds (SLO metrics)")
     p.add_argument("--itl-slo", type=float, default=None, help="the router's mean inter-token latency target")
     p.add_argument("--rebalance", action="store_true",
@@ -113,6 +116,9 @@ def build_commands(args: argparse.Namespace, model: str) -> tuple[list[str], lis
     for flag, on in (("--enable-admin", args.enable_admin), ("--rebalance", args.rebalance)):
         if on:
             router.append(flag)
+    _, decode_n = _counts(args)
+    inflight = args.max_inflight or 2 * decode_n * args.max_num_seqs
+    router += ["--max-inflight", str(inflight)]  # a load generator's burst queues, not 429s, up to this
     for flag, value in (("--ttft-slo", args.ttft_slo), ("--itl-slo", args.itl_slo)):
         if value is not None:
             router += [flag, str(value)]
