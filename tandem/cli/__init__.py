@@ -10,7 +10,7 @@ import importlib
 import sys
 
 # Subcommand modules, in the order `tandem --help` lists them.
-COMMANDS = ["generate", "chat", "up", "launch", "router", "prefill", "decode", "keys", "plugins"]
+COMMANDS = ["generate", "chat", "up", "launch", "router", "prefill", "decode", "keys", "plugins", "profile", "plan"]
 
 
 def build_parser() -> argparse.ArgumentParser:
