@@ -77,22 +77,23 @@ def simulate(cost: CostModel, split: Split, wl: Workload, slo: Slo, local_prefil
     return summarise(split, sim.run(wl), slo)
 
 
-def splits_to_try(n: int) -> list[int]:
-    """Prefill counts to simulate first: all of 1..n-1, or a grid of about 16 past FULL_SEARCH_MAX."""
-    if n - 1 <= FULL_SEARCH_MAX:
+def splits_to_try(n: int, full_search_max: int = FULL_SEARCH_MAX) -> list[int]:
+    """Prefill counts to simulate first: all of 1..n-1, or a grid of about 16 past full_search_max."""
+    if n - 1 <= full_search_max:
         return list(range(1, n))
     step = max(1, (n - 1) // 16)
     return sorted(set(range(1, n, step)) | {n - 1})
 
 
-def plan(cost: CostModel, wl: Workload, slo: Slo, workers: int, local_prefill_threshold: int = 32) -> list[Outcome]:
+def plan(cost: CostModel, wl: Workload, slo: Slo, workers: int, local_prefill_threshold: int = 32,
+         full_search_max: int = FULL_SEARCH_MAX) -> list[Outcome]:
     """Outcomes for the splits of `workers` and colocated, in split order (colocated last)."""
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     done: dict[int, Outcome] = {}
-    for p in splits_to_try(workers):
+    for p in splits_to_try(workers, full_search_max):
         done[p] = simulate(cost, Split(p, workers - p), wl, slo, local_prefill_threshold)
-    if workers - 1 > FULL_SEARCH_MAX:  # refine: every split between the best grid point's neighbours
+    if workers - 1 > full_search_max:  # refine: every split between the best grid point's neighbours
         best = max(done.values(), key=rank).split.prefill
         step = max(1, (workers - 1) // 16)
         for p in range(max(1, best - step + 1), min(workers - 1, best + step - 1) + 1):
@@ -124,7 +125,8 @@ def min_workers(cost: CostModel, wl: Workload, slo: Slo, max_workers: int,
 
     def ok(n: int) -> Outcome | None:
         if n not in cache:
-            o = best(plan(cost, wl, slo, n, local_prefill_threshold))
+            # Coarse-to-fine over splits: a search simulates many cluster sizes.
+            o = best(plan(cost, wl, slo, n, local_prefill_threshold, full_search_max=16))
             cache[n] = o if meets(o, slo) else None
         return cache[n]
 
