@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -183,17 +181,19 @@ def profile_file(tmp_path):
     return str(path)
 
 
-def plan_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tandem.cli", "plan", *args], capture_output=True, text=True,
-                          timeout=120)
+def plan_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = cli_main(["plan", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_plan_prints_every_split_marks_the_best_and_writes_kustomize(profile_file, tmp_path):
-    out = plan_cli("--profile", profile_file, "--workload", "prompt=500,output=10", "--rate", "25",
-                   "--ttft-slo", "1", "--itl-slo", "0.01", "--workers", "4", "--requests", "2000",
-                   "--emit-kustomize", str(tmp_path / "k"))
-    assert out.returncode == 0, out.stderr
-    rows = [line for line in out.stdout.splitlines() if "P:" in line or "colocated" in line]
+def test_plan_prints_every_split_marks_the_best_and_writes_kustomize(profile_file, tmp_path, capsys):
+    code, stdout, stderr = plan_cli(
+        capsys, "--profile", profile_file, "--workload", "prompt=500,output=10", "--rate", "25",
+        "--ttft-slo", "1", "--itl-slo", "0.01", "--workers", "4", "--requests", "2000",
+        "--emit-kustomize", str(tmp_path / "k"))
+    assert code == 0, stderr
+    rows = [line for line in stdout.splitlines() if "P:" in line or "colocated" in line]
     assert [r.split()[1] if r.startswith("*") else r.split()[0] for r in rows[:4]] == ["1P:3D", "2P:2D", "3P:1D",
                                                                                         "colocated"]
     assert [r for r in rows if r.startswith("*")][0].split()[1] == "3P:1D"
@@ -203,12 +203,13 @@ def test_plan_prints_every_split_marks_the_best_and_writes_kustomize(profile_fil
     assert "tandem-pd-replicas.yaml" in (tmp_path / "k" / "kustomization.yaml").read_text()
 
 
-def test_plan_min_workers_for_rate(profile_file):
-    out = plan_cli("--profile", profile_file, "--workload", "prompt=500,output=2", "--rate", "35",
-                   "--ttft-slo", "0.5", "--itl-slo", "1", "--min-workers-for-rate", "--requests", "2000",
-                   "--arrivals", "uniform")
-    assert out.returncode == 0, out.stderr
-    assert "smallest cluster: 4 workers" in out.stdout
+def test_plan_min_workers_for_rate(profile_file, capsys):
+    code, stdout, stderr = plan_cli(
+        capsys, "--profile", profile_file, "--workload", "prompt=500,output=2", "--rate", "35",
+        "--ttft-slo", "0.5", "--itl-slo", "1", "--min-workers-for-rate", "--requests", "2000",
+        "--arrivals", "uniform")
+    assert code == 0, stderr
+    assert "smallest cluster: 4 workers" in stdout
 
 
 @pytest.mark.parametrize("extra, message", [
