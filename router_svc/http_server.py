@@ -130,12 +130,15 @@ class HttpServer:
             self.slow_peers.add(host)
             log.warning("closed a slow HTTP client", peer=host, what=what, timeout_s=self.client_timeout_s)
 
-    async def _read(self, coro: Awaitable[bytes], timeout_s: float, writer: asyncio.StreamWriter, what: str) -> bytes:
+    async def _read(self, coro: Awaitable[bytes], timeout_s: float, writer: asyncio.StreamWriter, what: str,
+                    reader: asyncio.StreamReader | None = None) -> bytes:
         try:
             return await asyncio.wait_for(coro, timeout_s)
         except TimeoutError:
             if what:
                 await _error(Response(writer, False), 408, f"{what} did not arrive within {timeout_s:g} s")
+                if reader is not None:
+                    await _lingering_close(reader, writer)
             raise TimeoutError(what) from None
 
     async def _one_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, first: bool) -> bool:
@@ -145,7 +148,7 @@ class HttpServer:
             # connection the wait for the next one may be idle longer (closed quietly after that).
             timeout = self.client_timeout_s if first else KEEPALIVE_IDLE_S
             head = await self._read(reader.readuntil(b"\r\n\r\n"), timeout, writer,
-                                    "the request head" if first else "")
+                                    "the request head" if first else "", reader)
         except asyncio.IncompleteReadError:
             return False  # client closed between requests
         except asyncio.LimitOverrunError:
@@ -172,7 +175,7 @@ class HttpServer:
             await _error(Response(writer, False), 413, f"request body must be at most {self.max_body} bytes")
             return False
         body = await self._read(reader.readexactly(length), self.client_timeout_s, writer,
-                                "the request body") if length else b""
+                                "the request body", reader) if length else b""
         path, _, query = target.partition("?")
         await self._run_app(Request(method.upper(), path, query, headers, body), response, reader)
         return keep_alive and response.started
@@ -198,6 +201,20 @@ class HttpServer:
             await _error(response, 500, f"internal error: {type(exc).__name__}")
         else:
             raise ConnectionResetError("handler failed mid-response")
+
+
+async def _lingering_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, linger_s: float = 1.0) -> None:
+    """Half-close and discard what the client still sends for a moment: closing with its bytes
+    unread would reset the connection, and a reset makes the client's kernel drop our answer."""
+    try:
+        if writer.can_write_eof():
+            writer.write_eof()
+        deadline = asyncio.get_running_loop().time() + linger_s
+        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            if not await asyncio.wait_for(reader.read(65536), left):
+                break
+    except (TimeoutError, ConnectionError, OSError):
+        pass
 
 
 async def _wait_disconnect(reader: asyncio.StreamReader) -> None:

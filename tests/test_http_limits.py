@@ -31,6 +31,8 @@ def _trickle(port: int, first: bytes, drip: bytes, seconds: float) -> tuple[byte
                 answer += chunk
             except socket.timeout:
                 pass
+            except ConnectionResetError:  # the server is gone; what it answered before is in `answer`
+                break
             try:
                 s.sendall(drip[i % len(drip):i % len(drip) + 1])
             except OSError:
