@@ -8,6 +8,7 @@ goes on with no error, and its whole text equals the offline engine's for the sa
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -59,27 +60,34 @@ def expected() -> str:
     return out[0].text
 
 
-@pytest.mark.parametrize("migrate", [True, False], ids=["migration", "no-migration"])
-def test_killed_decode_worker_mid_stream(tmp_path, expected, migrate):
-    router = start_router("router", str(TARGET_DIR), tmp_path, *([] if migrate else ["--no-migration"]))
+@contextlib.contextmanager
+def two_decode_workers(tmp_path, *router_flags: str):
+    """A router and two colocated decode workers on the shipped model: (http address, workers by name)."""
+    router = start_router("router", str(TARGET_DIR), tmp_path, *router_flags)
     procs = [router]
     try:
         ep = router_endpoints(router)
         workers = {name: start_colocated_decode(name, ep["listen"], tmp_path, delay=0.02) for name in ("d1", "d2")}
         procs += workers.values()
         wait_workers(ep["http"], decode=2)
+        yield ep["http"], workers
+    finally:
+        stop_all(procs)
+
+
+@pytest.mark.parametrize("migrate", [True, False], ids=["migration", "no-migration"])
+def test_killed_decode_worker_mid_stream(tmp_path, expected, migrate):
+    with two_decode_workers(tmp_path, *([] if migrate else ["--no-migration"])) as (http, workers):
         t0 = time.monotonic()
-        text, error, killed = stream_and_kill(ep["http"], workers)
+        text, error, killed = stream_and_kill(http, workers)
         assert killed
         if migrate:
             assert error is None, error
             assert text == expected
-            assert metric_value(ep["http"], "tandem_router_migrations_total") == 1
+            assert metric_value(http, "tandem_router_migrations_total") == 1
         else:
             assert error is not None and "stopped responding" in error and text and expected.startswith(text)
         assert time.monotonic() - t0 < 60
-    finally:
-        stop_all(procs)
 
 
 def test_seeded_sampling_continues_exactly_after_migration(tmp_path):
@@ -93,19 +101,11 @@ def test_seeded_sampling_continues_exactly_after_migration(tmp_path):
     expected = llm.generate([PROMPT], SamplingParams(**base, **params))[0].text
     other = llm.generate([PROMPT], SamplingParams(**base, **{**params, "seed": 4321}))[0].text
     assert other != expected  # the seed matters, so equality below is not luck
-    router = start_router("router", str(TARGET_DIR), tmp_path)
-    procs = [router]
-    try:
-        ep = router_endpoints(router)
-        workers = {name: start_colocated_decode(name, ep["listen"], tmp_path, delay=0.02) for name in ("d1", "d2")}
-        procs += workers.values()
-        wait_workers(ep["http"], decode=2)
-        text, error, killed = stream_and_kill(ep["http"], workers, **params)
+    with two_decode_workers(tmp_path) as (http, workers):
+        text, error, killed = stream_and_kill(http, workers, **params)
         assert killed and error is None, error
-        assert metric_value(ep["http"], "tandem_router_migrations_total") == 1
+        assert metric_value(http, "tandem_router_migrations_total") == 1
         assert text == expected
-    finally:
-        stop_all(procs)
 
 
 def test_migration_needs_a_survivor(tmp_path):
