@@ -1,8 +1,10 @@
 """OpenAI request and response shapes: JSON bodies -> (token ids, SamplingParams), and Chunks ->
 completion / chat.completion objects and their streaming chunks. Pure functions, no I/O.
 
-Field mapping: max_tokens (chat: max_completion_tokens or max_tokens), temperature, top_p, n (1 only),
-stop (str or list), seed, logprobs (+ top_logprobs for chat), stream, stream_options.include_usage,
+Field mapping: max_tokens (chat: max_completion_tokens or max_tokens), temperature, top_p, n (fanned out
+at the router: each choice is its own request, with seed + i when a seed is given; best_of only = n),
+prompt (a string, token ids, or a batch of either: choices are prompt-major), stop (str or list), seed,
+logprobs (+ top_logprobs for chat), stream, stream_options.include_usage,
 response_format / structured_outputs / guided_* (router_svc/structured_request.py);
 presence_penalty, frequency_penalty, logit_bias; tandem (vLLM) extras: top_k, min_p, ignore_eos, stop_token_ids,
 repetition_penalty, min_tokens. Parameters tandem does not implement are
@@ -12,7 +14,7 @@ accepted only at their neutral value, otherwise a 400 that names them.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from router_svc.core import Chunk
@@ -24,44 +26,58 @@ from tandem.sampling_params import SamplingParams
 SAMPLING_NAMES = frozenset(SamplingParams.__dataclass_fields__)
 # Parameter -> the values that mean "not used" (anything else is refused, not silently ignored).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "echo": (None, False), "suffix": (None, ""),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
 }
 _EXTRAS = ("top_k", "min_p", "ignore_eos", "stop_token_ids", "repetition_penalty", "min_tokens")
 _PENALTIES = ("presence_penalty", "frequency_penalty", "logit_bias")
+# prompts x n per HTTP request: each choice is a request in flight of its own, so one body cannot
+# take more than this many of the router's admission slots.
+MAX_CHOICES = 64
 
 
 @dataclass(slots=True)
 class ParsedRequest:
-    token_ids: list[int]
-    params: SamplingParams
+    prompts: list[list[int]]  # one per prompt (a batch on /v1/completions; chat: one)
+    params: list[SamplingParams]  # one per choice, prompt-major: choice j answers prompts[j // n]
+    n: int
     stream: bool
     include_usage: bool
     chat: bool
 
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompts[0]
+
 
 def parse_completion(body: Any, model: ServedModel) -> ParsedRequest:
     body = _common_checks(body, model)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        ids = model.encode_text(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        ids = model.check_ids(prompt)
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise BadRequest("only one prompt per request is supported (send several requests)", param="prompt")
-    else:
-        raise BadRequest("prompt must be a non-empty string or list of token ids", param="prompt")
+    prompts = [_one_prompt(p, model) for p in _prompt_batch(body.get("prompt"))]
     lp = body.get("logprobs")
     if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int)):
         raise BadRequest("logprobs must be an integer (the number of top logprobs) for completions", param="logprobs")
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
-    _check_context(ids, max_tokens, model)
+    for ids in prompts:
+        _check_context(ids, max_tokens, model)
     params = _sampling(body, max_tokens=max_tokens, default_max=16, logprobs=lp, defaults=model.sampling_defaults)
-    return ParsedRequest(ids, params, _stream(body), _include_usage(body), chat=False)
+    return _fan_out(body, prompts, params, chat=False)
+
+
+def _prompt_batch(prompt: Any) -> list[Any]:
+    """The prompt field as a list of prompts (each a string or a token-id list), as OpenAI and vLLM take it."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                or all(isinstance(p, list) for p in prompt)):
+        return prompt
+    raise BadRequest("prompt must be a non-empty string, a list of token ids, or a list of either", param="prompt")
+
+
+def _one_prompt(prompt: Any, model: ServedModel) -> list[int]:
+    return model.encode_text(prompt) if isinstance(prompt, str) else model.check_ids(prompt)
 
 
 def parse_chat(body: Any, model: ServedModel) -> ParsedRequest:
@@ -81,7 +97,27 @@ def parse_chat(body: Any, model: ServedModel) -> ParsedRequest:
     # OpenAI's chat default is "as long as the context allows": D caps max_tokens at its max_model_len.
     params = _sampling(body, max_tokens=max_tokens, default_max=model.max_model_len or 4096,
                        logprobs=(top or 0) if lp else None, defaults=model.sampling_defaults)
-    return ParsedRequest(ids, params, _stream(body), _include_usage(body), chat=True)
+    return _fan_out(body, [ids], params, chat=True)
+
+
+def _fan_out(body: dict, prompts: list[list[int]], params: SamplingParams, chat: bool) -> ParsedRequest:
+    """n choices per prompt, each its own request; with a seed, choice i samples with seed + i (so the
+    request is reproducible and its choices differ)."""
+    n = body.get("n")
+    n = 1 if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise BadRequest(f"n must be a positive integer, got {n!r}", param="n")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        # best_of > n would rank candidates server-side by likelihood: not implemented, so not pretended
+        raise BadRequest(f"best_of must equal n ({n}) on this server, got {best_of!r}", param="best_of")
+    if len(prompts) * n > MAX_CHOICES:
+        raise BadRequest(f"{len(prompts)} prompt(s) x n={n} is {len(prompts) * n} completions; at most "
+                         f"{MAX_CHOICES} per request", param="n" if n > 1 else "prompt")
+    per_prompt = [params if i == 0 or params.seed is None else replace(params, seed=params.seed + i)
+                  for i in range(n)]
+    return ParsedRequest(prompts, [p for _ in prompts for p in per_prompt], n, _stream(body), _include_usage(body),
+                         chat=chat)
 
 
 def _check_context(ids: list[int], max_tokens: Any, model: ServedModel) -> None:
@@ -97,9 +133,6 @@ def _common_checks(body: Any, model: ServedModel) -> dict:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model.check_model(body.get("model"))
-    n = body.get("n")
-    if n not in (None, 1):
-        raise BadRequest(f"n must be 1 (one completion per request), got {n!r}", param="n")
     for name, neutral in _NEUTRAL.items():
         if name in body and body[name] not in neutral:
             raise BadRequest(f"{name} is not supported by this server (leave it unset)", param=name)
@@ -166,10 +199,14 @@ class Totals:
         if chunk.finished:
             self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
 
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+def usage(totals: list[Totals], n: int) -> dict:
+    """A request's usage over its choices: each prompt counted once (not n times), every choice's tokens."""
+    firsts = totals[::n]
+    prompt, cached = sum(t.prompt_tokens for t in firsts), sum(t.cached_tokens for t in firsts)
+    completion = sum(t.completion_tokens for t in totals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def response_id(rid: str, chat: bool) -> str:
@@ -181,19 +218,22 @@ def _envelope(rid: str, chat: bool, model: str, stream: bool) -> dict:
     return {"id": response_id(rid, chat), "object": kind, "created": int(time.time()), "model": model}
 
 
-def final_response(rid: str, chat: bool, model: str, totals: Totals, logprobs: Any) -> dict:
-    choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": totals.finish_reason,
-                              "stop_reason": totals.stop_reason}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": totals.text}
-    else:
-        choice["text"] = totals.text
-    return {**_envelope(rid, chat, model, False), "choices": [choice], "usage": totals.usage()}
+def final_response(rid: str, chat: bool, model: str, totals: list[Totals], logprobs: list[Any], n: int) -> dict:
+    choices = []
+    for index, (t, lp) in enumerate(zip(totals, logprobs)):
+        choice: dict[str, Any] = {"index": index, "logprobs": lp, "finish_reason": t.finish_reason,
+                                  "stop_reason": t.stop_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": t.text}
+        else:
+            choice["text"] = t.text
+        choices.append(choice)
+    return {**_envelope(rid, chat, model, False), "choices": choices, "usage": usage(totals, n)}
 
 
 def stream_chunk(rid: str, chat: bool, model: str, text: str | None, finish_reason: str | None,
-                 logprobs: Any = None, first: bool = False, include_usage: bool = False) -> dict:
-    choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+                 logprobs: Any = None, first: bool = False, include_usage: bool = False, index: int = 0) -> dict:
+    choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
     if chat:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:
@@ -207,8 +247,8 @@ def stream_chunk(rid: str, chat: bool, model: str, text: str | None, finish_reas
     return out
 
 
-def usage_chunk(rid: str, chat: bool, model: str, totals: Totals) -> dict:
-    return {**_envelope(rid, chat, model, True), "choices": [], "usage": totals.usage()}
+def usage_chunk(rid: str, chat: bool, model: str, totals: list[Totals], n: int) -> dict:
+    return {**_envelope(rid, chat, model, True), "choices": [], "usage": usage(totals, n)}
 
 
 def format_logprobs(chunk: Chunk, model: ServedModel, chat: bool, offset: int = 0) -> Any:

@@ -1,9 +1,10 @@
 """The HTTP routes: OpenAI-compatible `/v1/completions`, `/v1/chat/completions` (JSON or SSE with
 `stream: true`), `/v1/models`, plus `/health` and `/metrics`.
 
-A generation request: parse (openai_api) -> `Router.submit` -> collect or stream its Chunks ->
-`Stream.close()` in `finally:`, which aborts the request on D if the client went away (the HTTP
-server cancels the handler when the socket closes) or anything failed. Errors before the first
+A generation request: parse (openai_api) -> `Router.submit` once per choice (fanout.py: `n` and
+batched prompts) -> collect or stream their Chunks -> `close()` in `finally:`, which aborts the
+requests on D if the client went away (the HTTP server cancels the handler when the socket closes)
+or anything failed. Errors before the first
 byte are OpenAI error objects with the matching status (400/404/429 + Retry-After/503); an error
 after streaming began is sent as a final SSE `data: {"error": ...}` event.
 """
@@ -21,6 +22,7 @@ from router_svc.admin import Admin
 from router_svc.auth import key_matches
 from router_svc.core import Router
 from router_svc.errors import BadRequest, NotFound, Overloaded, RouterError
+from router_svc.fanout import Choices, choice_ids, submit_all
 from router_svc.http_server import Request, Response
 from router_svc.openai_api import (
     Totals,
@@ -117,7 +119,7 @@ class OpenAIApp:
 
     async def generate(self, request: Request, response: Response, chat: bool) -> None:
         api = "chat" if chat else "completions"
-        stream = None
+        choices: Choices | None = None
         ended_by: BaseException | None = None
         # the id is fixed before parsing so every line of this request carries it
         rid = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
@@ -129,12 +131,13 @@ class OpenAIApp:
             except (ValueError, UnicodeDecodeError):
                 raise BadRequest("the request body is not valid JSON") from None
             parsed = (parse_chat if chat else parse_completion)(body, self.model)
-            stream = self.router.submit(parsed.token_ids, parsed.params, rid)
-            metrics.request_admitted(rid, parsed.token_ids, self.model)
+            choices = Choices(submit_all(self.router, parsed.prompts, parsed.params, parsed.n, rid))
+            for i, sub_id in enumerate(choice_ids(rid, len(choices.streams))):
+                metrics.request_admitted(sub_id, parsed.prompts[i // parsed.n], self.model)
             if parsed.stream:
-                await self._stream(stream, response, chat, parsed.include_usage)
+                await self._stream(rid, choices, response, chat, parsed.include_usage, parsed.n)
             else:
-                await self._collect(stream, response, chat)
+                await self._collect(rid, choices, response, chat, parsed.n)
         except RouterError as exc:
             ended_by = exc
             if not response.started:
@@ -146,39 +149,48 @@ class OpenAIApp:
             ended_by = exc
             raise
         finally:
-            if stream is not None:
-                stream.close()
-            metrics.request_ended(api, ended_by, stream, rid)
+            if choices is None:
+                metrics.request_ended(api, ended_by, None, rid)
+            else:
+                choices.close()
+                for sub_id, s in zip(choice_ids(rid, len(choices.streams)), choices.streams):
+                    metrics.request_ended(api, ended_by, s, sub_id)
 
-    async def _collect(self, stream: Any, response: Response, chat: bool) -> None:
-        totals, logprobs, offset = Totals(), [], 0
-        async for chunk in stream:
-            totals.add(chunk)
-            lp = format_logprobs(chunk, self.model, chat, offset)
+    async def _collect(self, rid: str, choices: Choices, response: Response, chat: bool, n: int) -> None:
+        count = len(choices.streams)
+        totals, logprobs, offsets = [Totals() for _ in range(count)], [[] for _ in range(count)], [0] * count
+        async for i, chunk in choices:
+            totals[i].add(chunk)
+            lp = format_logprobs(chunk, self.model, chat, offsets[i])
             if lp is not None:
-                logprobs.append(lp)
-                offset += _text_length(lp)
-        await response.json(200, final_response(stream.request_id, chat, self.model.name, totals,
-                                                _merge_logprobs(logprobs, chat)))
+                logprobs[i].append(lp)
+                offsets[i] += _text_length(lp)
+        await response.json(200, final_response(rid, chat, self.model.name, totals,
+                                                [_merge_logprobs(parts, chat) for parts in logprobs], n))
 
-    async def _stream(self, stream: Any, response: Response, chat: bool, include_usage: bool) -> None:
-        rid, name, totals = stream.request_id, self.model.name, Totals()
+    async def _stream(self, rid: str, choices: Choices, response: Response, chat: bool, include_usage: bool,
+                      n: int) -> None:
+        name, count = self.model.name, len(choices.streams)
+        totals, offsets = [Totals() for _ in range(count)], [0] * count
         await response.start_stream()
-        if chat:  # OpenAI's first chat chunk announces the role
-            await _sse(response, stream_chunk(rid, True, name, "", None, first=True, include_usage=include_usage))
-        offset = 0  # completions' text_offset: characters of the tokens before, from the completion's start
-        async for chunk in stream:
-            totals.add(chunk)
-            lp = format_logprobs(chunk, self.model, chat, offset)
+        if chat:  # OpenAI's first chat chunk of each choice announces the role
+            for i in range(count):
+                await _sse(response, stream_chunk(rid, True, name, "", None, first=True, include_usage=include_usage,
+                                                  index=i))
+        async for i, chunk in choices:
+            totals[i].add(chunk)
+            # completions' text_offset: characters of the tokens before, from the completion's start
+            lp = format_logprobs(chunk, self.model, chat, offsets[i])
             if lp is not None:
-                offset += _text_length(lp)
+                offsets[i] += _text_length(lp)
             if chunk.text or lp is not None:
-                await _sse(response, stream_chunk(rid, chat, name, chunk.text, None, lp, include_usage=include_usage))
+                await _sse(response, stream_chunk(rid, chat, name, chunk.text, None, lp, include_usage=include_usage,
+                                                  index=i))
             if chunk.finished:
                 await _sse(response, stream_chunk(rid, chat, name, None, chunk.finish_reason,
-                                                  include_usage=include_usage))
+                                                  include_usage=include_usage, index=i))
         if include_usage:
-            await _sse(response, usage_chunk(rid, chat, name, totals))
+            await _sse(response, usage_chunk(rid, chat, name, totals, n))
         await response.write(b"data: [DONE]\n\n")
         await response.end_stream()
 

@@ -239,7 +239,7 @@ def test_overload_returns_429_and_resource_exhausted(cluster):
 
 
 @pytest.mark.parametrize("field, value", [("temperature", -1), ("temperature", 2.5), ("top_p", 2), ("max_tokens", 0),
-                                          ("max_tokens", 5000), ("n", 2), ("presence_penalty", 3), ("top_k", "3"),
+                                          ("max_tokens", 5000), ("n", 0), ("presence_penalty", 3), ("top_k", "3"),
                                           ("stop", 5), ("logit_bias", {"x": 1}), ("echo", True)])
 def test_bad_parameters_are_400_naming_them(cluster, field, value):
     status, _, body = post(f"{cluster['http']}/v1/completions", {"prompt": "x", field: value})
