@@ -158,7 +158,9 @@ class OpenAIApp:
 
     async def _collect(self, rid: str, choices: Choices, response: Response, chat: bool, n: int) -> None:
         count = len(choices.streams)
-        totals, logprobs, offsets = [Totals() for _ in range(count)], [[] for _ in range(count)], [0] * count
+        totals = [Totals() for _ in range(count)]
+        logprobs: list[list[Any]] = [[] for _ in range(count)]
+        offsets = [0] * count
         async for i, chunk in choices:
             totals[i].add(chunk)
             lp = format_logprobs(chunk, self.model, chat, offsets[i])
