@@ -13,6 +13,8 @@ Three measurements, each on a fresh router + fake worker:
    from `--concurrency` connections: tokens per second through the router (1 / its per-token cost).
 3. latency: streaming completions with the worker pacing each stream's tokens every 10 ms, at
    concurrency 1 and `--concurrency`: p50 / p99 of (client receive - worker send) per token.
+Each also reports the router process's CPU time per request (rps) or per streamed token: on a shared
+machine the wall-clock rates move with the neighbours' load, the CPU cost much less.
 
 Usage: python -m bench.router_overhead [--concurrency 16] [--seconds 10] [--json out.json]
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -107,6 +110,12 @@ class Cluster:
             time.sleep(0.2)
         raise RuntimeError(f"router not ready: {self.log.read_text()[-2000:]}")
 
+    def cpu_s(self) -> float:
+        """The router process's user + system CPU seconds so far."""
+        with open(f"/proc/{self.router.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def close(self) -> None:
         for p in (self.router, self.worker):
             p.terminate()
@@ -160,7 +169,7 @@ async def _rps(port: int, concurrency: int, seconds: float) -> dict:
     await asyncio.gather(*(conn() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     return {"requests_per_s": round(len(latencies) / wall, 1), "mean_latency_ms": round(
-        1000 * statistics.fmean(latencies), 2), "errors": errors}
+        1000 * statistics.fmean(latencies), 2), "errors": errors, "requests": len(latencies)}
 
 
 async def _stream(port: int, concurrency: int, per_conn: int, max_tokens: int) -> dict:
@@ -221,7 +230,11 @@ def main() -> None:
         cluster = Cluster(interval, max_inflight=4 * args.concurrency, log_dir=log_dir)
         try:
             asyncio.run(run(cluster.port))  # warm-up
-            results[name] = asyncio.run(run(cluster.port))
+            cpu = cluster.cpu_s()
+            results[name] = out = asyncio.run(run(cluster.port))
+            cpu = cluster.cpu_s() - cpu
+            per, unit = (out["requests"], "request") if "requests" in out else (out["tokens"], "token")
+            out[f"router_cpu_us_per_{unit}"] = round(1e6 * cpu / per, 1)
         finally:
             cluster.close()
         print(name, results[name], flush=True)

@@ -7,7 +7,10 @@ the worker registry, routing policies and admission control. Start it with `tand
 - routing.py    the built-in routing policies (round_robin, least_loaded, prefix_affinity)
 - links.py      one ZMQ DEALER per worker (asyncio), the registration ROUTER socket
 - prompts.py    model name check, tokenization, chat template
-- openai_api.py / http_server.py   OpenAI-compatible HTTP on the standard library
+- http_server.py   HTTP/1.1 on uvicorn (httptools): an ASGI adapter with client deadlines and limits
+- openai_server.py / openai_api.py / openai_models.py   the OpenAI routes, request/response shapes,
+                typed (pydantic) request models served as /openapi.json and /docs
+- fanout.py     `n` and batched prompts: one request in flight per choice
 - grpc_api.py   the gRPC servicer, health and reflection
 - errors.py / metrics.py
 """
