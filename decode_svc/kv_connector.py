@@ -91,7 +91,9 @@ class DecodeKVConnector(KVConnector):
         self.trace(rid, "prefill_sent_ns")
         self.on_remote_start(req)
         try:
-            self.send_to_peer(peer, "prefill", id=rid, token_ids=req.prompt_token_ids, sampling=req.params.to_dict(),
+            # prompt logprobs are this worker's to compute (LLMEngine.make_request), not P's
+            sampling = {**req.params.to_dict(), "prompt_logprobs": None}
+            self.send_to_peer(peer, "prefill", id=rid, token_ids=req.prompt_token_ids, sampling=sampling,
                               send_from=num_computed, dest=self.receiver.address, dest_block_ids=dest,
                               dest_instance=self.instance)
         except ConnectionError as exc:

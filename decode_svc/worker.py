@@ -185,6 +185,10 @@ class DecodeWorker:
             # Per new token: [[token_id, logprob], ...] (msgpack maps here need string keys).
             fields["logprobs"] = [[[t, lp] for t, lp in entry.items()]
                                   for entry in logprobs[-len(out.new_token_ids):]]
+        if out.prompt_logprobs is not None and len(out.outputs[0].token_ids) == len(out.new_token_ids):
+            # once, with the first output: [[token_id, logprob], ...] per prompt token, None for the first
+            fields["prompt_logprobs"] = [None if e is None else [[t, lp] for t, lp in e.items()]
+                                         for e in out.prompt_logprobs]
         self.server.reply(identity, "output", **fields)
 
     def stats_dict(self) -> dict:

@@ -56,6 +56,7 @@ class Chunk:
     num_prompt_tokens: int
     num_cached_tokens: int
     logprobs: Any = None
+    prompt_logprobs: Any = None  # with the first chunk, when asked: per prompt token [[id, logprob], ...] or None
 
 
 @dataclass(slots=True)
@@ -167,7 +168,8 @@ class Router:
         flight.tokens_out += len(msg["token_ids"])
         flight.generated += msg["token_ids"]
         chunk = Chunk(msg["token_ids"], msg["text"], msg["finished"], msg["finish_reason"], msg.get("stop_reason"),
-                      flight.prompt_len, msg["num_cached_tokens"], msg.get("logprobs"))
+                      flight.prompt_len, msg["num_cached_tokens"], msg.get("logprobs"),
+                      msg.get("prompt_logprobs") if flight.tokens_out == len(msg["token_ids"]) else None)
         if chunk.finished:
             self._end(flight, chunk)
         else:
@@ -242,7 +244,9 @@ class Router:
             return False
         before = (flight.token_ids, flight.sampling)
         flight.token_ids = flight.token_ids[:flight.prompt_len] + flight.generated
-        flight.sampling = {**flight.sampling, "max_tokens": remaining}
+        # the prompt's logprobs went out with the first chunk: the new D is not asked again
+        flight.sampling = {**flight.sampling, "max_tokens": remaining,
+                           "prompt_logprobs": None if flight.tokens_out else flight.sampling.get("prompt_logprobs")}
         if flight.sampling.get("structured_outputs"):  # the grammar resumes after the tokens already sent
             flight.sampling["structured_outputs"] = {**flight.sampling["structured_outputs"],
                                                      "resume_tokens": flight.tokens_out}

@@ -13,12 +13,14 @@ accepted only at their neutral value, otherwise a 400 that names them.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 from router_svc.core import Chunk
 from router_svc.errors import BadRequest
+from router_svc.openai_models import validate_body
 from router_svc.prompts import ServedModel
 from router_svc.structured_request import structured_from_body
 from tandem.sampling_params import SamplingParams
@@ -26,7 +28,7 @@ from tandem.sampling_params import SamplingParams
 SAMPLING_NAMES = frozenset(SamplingParams.__dataclass_fields__)
 # Parameter -> the values that mean "not used" (anything else is refused, not silently ignored).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False), "suffix": (None, ""),
+    "suffix": (None, ""),
     "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
 }
 _EXTRAS = ("top_k", "min_p", "ignore_eos", "stop_token_ids", "repetition_penalty", "min_tokens")
@@ -44,6 +46,10 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     chat: bool
+    # completions' echo: each prompt's text goes before its completion (and its logprobs before the
+    # completion's); with max_tokens 0 nothing is generated (one token is, and dropped)
+    echo_texts: list[str] | None = None
+    drop_output: bool = False
 
     @property
     def token_ids(self) -> list[int]:
@@ -51,8 +57,10 @@ class ParsedRequest:
 
 
 def parse_completion(body: Any, model: ServedModel) -> ParsedRequest:
+    validate_body(body, chat=False)
     body = _common_checks(body, model)
-    prompts = [_one_prompt(p, model) for p in _prompt_batch(body.get("prompt"))]
+    batch = _prompt_batch(body.get("prompt"))
+    prompts = [_one_prompt(p, model) for p in batch]
     lp = body.get("logprobs")
     if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int)):
         raise BadRequest("logprobs must be an integer (the number of top logprobs) for completions", param="logprobs")
@@ -61,8 +69,18 @@ def parse_completion(body: Any, model: ServedModel) -> ParsedRequest:
         max_tokens = body.get("max_tokens")
     for ids in prompts:
         _check_context(ids, max_tokens, model)
-    params = _sampling(body, max_tokens=max_tokens, default_max=16, logprobs=lp, defaults=model.sampling_defaults)
-    return _fan_out(body, prompts, params, chat=False)
+    echo = body.get("echo") is True
+    # echo with max_tokens 0 is how lm-eval asks for a prompt's loglikelihood: one token is generated
+    # (the engine always generates one) and dropped
+    drop = echo and max_tokens == 0
+    params = _sampling(body, max_tokens=1 if drop else max_tokens, default_max=16, logprobs=lp,
+                       defaults=model.sampling_defaults, prompt_logprobs=lp if echo else None)
+    parsed = _fan_out(body, prompts, params, chat=False)
+    if echo:
+        texts = [p if isinstance(p, str) else model.tokenizer.decode(ids, skip_special_tokens=False)
+                 for p, ids in zip(batch, prompts)]
+        parsed.echo_texts, parsed.drop_output = [t for t in texts for _ in range(parsed.n)], drop
+    return parsed
 
 
 def _prompt_batch(prompt: Any) -> list[Any]:
@@ -81,7 +99,10 @@ def _one_prompt(prompt: Any, model: ServedModel) -> list[int]:
 
 
 def parse_chat(body: Any, model: ServedModel) -> ParsedRequest:
+    validate_body(body, chat=True)
     body = _common_checks(body, model)
+    if body.get("echo") not in (None, False):
+        raise BadRequest("echo is only served on /v1/completions", param="echo")
     ids = model.encode_chat(body.get("messages"))
     lp, top = body.get("logprobs"), body.get("top_logprobs")
     if lp not in (None, True, False):
@@ -143,13 +164,13 @@ def _common_checks(body: Any, model: ServedModel) -> dict:
 
 
 def _sampling(body: dict, max_tokens: Any, default_max: int, logprobs: int | None,
-              defaults: dict[str, Any] | None = None) -> SamplingParams:
+              defaults: dict[str, Any] | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """`defaults`: the checkpoint's generation_config.json values, for the fields the body leaves unset."""
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
         raise BadRequest("stop must be a string or a list of strings", param="stop")
     kw: dict[str, Any] = {**(defaults or {}), "max_tokens": default_max if max_tokens is None else max_tokens,
-                          "stop": stop or [], "logprobs": logprobs}
+                          "stop": stop or [], "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
     for name in ("temperature", "top_p", "seed", *_PENALTIES, *_EXTRAS):
         if body.get(name) is not None:
             kw[name] = body[name]
@@ -192,12 +213,14 @@ class Totals:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
-    def add(self, chunk: Chunk) -> None:
-        self.text += chunk.text
-        self.completion_tokens += len(chunk.token_ids)
+    def add(self, chunk: Chunk, keep_output: bool = True) -> None:
+        """`keep_output` False: echo with max_tokens 0 (the one generated token is not the client's)."""
+        if keep_output:
+            self.text += chunk.text
+            self.completion_tokens += len(chunk.token_ids)
         self.prompt_tokens, self.cached_tokens = chunk.num_prompt_tokens, chunk.num_cached_tokens
         if chunk.finished:
-            self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
+            self.finish_reason, self.stop_reason = chunk.finish_reason if keep_output else "length", chunk.stop_reason
 
 
 def usage(totals: list[Totals], n: int) -> dict:
@@ -272,3 +295,22 @@ def format_logprobs(chunk: Chunk, model: ServedModel, chat: bool, offset: int = 
     offsets = [offset + sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
     return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in rows],
             "top_logprobs": [{text(i): v for i, v in top} for _, _, top in rows], "text_offset": offsets}
+
+
+def echo_logprobs(ids: list[int], entries: list[Any] | None, model: ServedModel) -> dict:
+    """The prompt's part of a completion's logprobs under echo, in the completions shape: D's entries
+    ([[token_id, logprob], ...] per prompt token, None for the first, which has no prefix)."""
+    text = lambda t: model.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    tokens = [text(t) for t in ids]
+    lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    for token_id, entry in zip(ids, entries or [None] * len(ids)):
+        if entry is None:
+            lps.append(None)
+            tops.append(None)
+            continue
+        pairs = {int(k): float(v) for k, v in entry}
+        lps.append(pairs.get(token_id, float("nan")))
+        tops.append({text(i): v for i, v in sorted(pairs.items(), key=lambda kv: -kv[1])})
+    offsets = [0, *itertools.accumulate(len(s) for s in tokens)][:len(tokens)]
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -20,12 +21,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from router_svc import metrics
 from router_svc.admin import Admin
 from router_svc.auth import key_matches
-from router_svc.core import Router
+from router_svc.core import Chunk, Router
 from router_svc.errors import BadRequest, NotFound, Overloaded, RouterError
 from router_svc.fanout import Choices, choice_ids, submit_all
 from router_svc.http_server import Request, Response
 from router_svc.openai_api import (
+    ParsedRequest,
     Totals,
+    echo_logprobs,
     final_response,
     format_logprobs,
     parse_chat,
@@ -135,9 +138,9 @@ class OpenAIApp:
             for i, sub_id in enumerate(choice_ids(rid, len(choices.streams))):
                 metrics.request_admitted(sub_id, parsed.prompts[i // parsed.n], self.model)
             if parsed.stream:
-                await self._stream(rid, choices, response, chat, parsed.include_usage, parsed.n)
+                await self._stream(rid, choices, response, parsed)
             else:
-                await self._collect(rid, choices, response, chat, parsed.n)
+                await self._collect(rid, choices, response, parsed)
         except RouterError as exc:
             ended_by = exc
             if not response.started:
@@ -156,31 +159,52 @@ class OpenAIApp:
                 for sub_id, s in zip(choice_ids(rid, len(choices.streams)), choices.streams):
                     metrics.request_ended(api, ended_by, s, sub_id)
 
-    async def _collect(self, rid: str, choices: Choices, response: Response, chat: bool, n: int) -> None:
-        count = len(choices.streams)
+    async def _collect(self, rid: str, choices: Choices, response: Response, parsed: ParsedRequest) -> None:
+        count, chat = len(choices.streams), parsed.chat
         totals = [Totals() for _ in range(count)]
         logprobs: list[list[Any]] = [[] for _ in range(count)]
-        offsets = [0] * count
+        offsets, echoed_choices = [0] * count, set[int]()
         async for i, chunk in choices:
-            totals[i].add(chunk)
-            lp = format_logprobs(chunk, self.model, chat, offsets[i])
+            echoed = self._echo(parsed, i, chunk, echoed_choices)
+            if echoed is not None:
+                totals[i].text, echo_lp = echoed
+                offsets[i] = len(totals[i].text)
+                if echo_lp is not None:
+                    logprobs[i].append(echo_lp)
+            totals[i].add(chunk, keep_output=not parsed.drop_output)
+            lp = None if parsed.drop_output else format_logprobs(chunk, self.model, chat, offsets[i])
             if lp is not None:
                 logprobs[i].append(lp)
                 offsets[i] += _text_length(lp)
         await response.json(200, final_response(rid, chat, self.model.name, totals,
-                                                [_merge_logprobs(parts, chat) for parts in logprobs], n))
+                                                [_merge_logprobs(parts, chat) for parts in logprobs], parsed.n))
 
-    async def _stream(self, rid: str, choices: Choices, response: Response, chat: bool, include_usage: bool,
-                      n: int) -> None:
-        name, count = self.model.name, len(choices.streams)
-        totals, offsets = [Totals() for _ in range(count)], [0] * count
+    def _echo(self, parsed: ParsedRequest, i: int, chunk: Chunk, done: set[int]) -> tuple[str, Any] | None:
+        """On a choice's first chunk under echo: its prompt's text, and the prompt's logprobs if asked."""
+        if parsed.echo_texts is None or i in done:
+            return None
+        done.add(i)
+        ids = parsed.prompts[i // parsed.n]
+        lp = None if parsed.params[i].prompt_logprobs is None else echo_logprobs(ids, chunk.prompt_logprobs, self.model)
+        return parsed.echo_texts[i], lp
+
+    async def _stream(self, rid: str, choices: Choices, response: Response, parsed: ParsedRequest) -> None:
+        name, count, chat, include_usage = self.model.name, len(choices.streams), parsed.chat, parsed.include_usage
+        totals, offsets, echoed_choices = [Totals() for _ in range(count)], [0] * count, set[int]()
         await response.start_stream()
         if chat:  # OpenAI's first chat chunk of each choice announces the role
             for i in range(count):
                 await _sse(response, stream_chunk(rid, True, name, "", None, first=True, include_usage=include_usage,
                                                   index=i))
         async for i, chunk in choices:
-            totals[i].add(chunk)
+            echoed = self._echo(parsed, i, chunk, echoed_choices)
+            if echoed is not None:  # the prompt goes out first, as its own chunk
+                offsets[i] = len(echoed[0])
+                await _sse(response, stream_chunk(rid, chat, name, echoed[0], None, echoed[1],
+                                                  include_usage=include_usage, index=i))
+            totals[i].add(chunk, keep_output=not parsed.drop_output)
+            if parsed.drop_output:
+                chunk = replace(chunk, text="", logprobs=None, finish_reason="length" if chunk.finished else None)
             # completions' text_offset: characters of the tokens before, from the completion's start
             lp = format_logprobs(chunk, self.model, chat, offsets[i])
             if lp is not None:
@@ -192,7 +216,7 @@ class OpenAIApp:
                 await _sse(response, stream_chunk(rid, chat, name, None, chunk.finish_reason,
                                                   include_usage=include_usage, index=i))
         if include_usage:
-            await _sse(response, usage_chunk(rid, chat, name, totals, n))
+            await _sse(response, usage_chunk(rid, chat, name, totals, parsed.n))
         await response.write(b"data: [DONE]\n\n")
         await response.end_stream()
 

@@ -28,6 +28,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     text_delta: str = ""
     new_token_ids: list[int] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: per prompt token {token_id: logprob}, None for the first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     # vLLM-style shortcuts for the single-completion case.
     @property

@@ -23,6 +23,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per generated token (plus the chosen token's)
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token after the first (an extra prompt pass)
     # Logits processing (tandem/engine/logits_processors.py), vLLM's and OpenAI's meanings.
     presence_penalty: float = 0.0  # [-2, 2]: minus this for a token already in the output
     frequency_penalty: float = 0.0  # [-2, 2]: minus this times the token's count in the output
@@ -79,10 +80,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
         if self.logit_bias is not None:
             self._check_logit_bias()
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0)
-            if self.logprobs > 20:
-                raise ValueError(f"logprobs must be at most 20, got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=0)
+                if getattr(self, name) > 20:
+                    raise ValueError(f"{name} must be at most 20, got {getattr(self, name)}")
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):

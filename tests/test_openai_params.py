@@ -108,7 +108,7 @@ def test_n_streamed_chat_interleaves_choices_by_index(served):
 
 def test_n_beyond_the_admission_limit_is_429_and_admits_nothing(served):
     status, headers, body = post(f"{served['small']}/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 3})
-    assert status == 429 and headers.get("Retry-After") == "1", body
+    assert status == 429 and {k.lower(): v for k, v in headers.items()}.get("retry-after") == "1", body
     assert get_json(f"{served['small']}/health")[1]["in_flight"] == 0  # the 2 admitted ones were taken back
     out = complete(served["small"], prompt="x", max_tokens=2, n=2, temperature=0, ignore_eos=True)
     assert [c["text"] for c in out["choices"]] == greedy(served["llm"], ["x", "x"], 2, ignore_eos=True)
@@ -163,6 +163,44 @@ def test_lm_eval_local_chat_completions(served):
     assert out["choices"][0]["message"]["content"] == want
 
 
+def test_lm_eval_loglikelihood_echo_prompt_logprobs_equal_llm_score(served):
+    """lm-eval's local-completions loglikelihood request: token-id prompts, max_tokens 0, echo, logprobs 1.
+    Each choice is the prompt itself with its logprobs: None for the first token, then the engine's
+    score of each token given its prefix, and the most likely token among the top entries."""
+    llm = served["llm"]
+    ids = [llm.tokenizer.encode(p) for p in ("def f(x):\n    return x", "class A:")]
+    out = complete(served["http"], prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0, seed=1234)
+    assert out["usage"]["completion_tokens"] == 0 and out["usage"]["prompt_tokens"] == sum(map(len, ids))
+    for choice, prompt in zip(out["choices"], ids):
+        lp = choice["logprobs"]
+        assert choice["text"] == llm.tokenizer.decode(prompt, skip_special_tokens=False)
+        assert choice["finish_reason"] == "length"
+        assert len(lp["tokens"]) == len(prompt) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == pytest.approx(llm.score(prompt), abs=1e-4)
+        for chosen, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+            assert 1 <= len(top) <= 2 and max(top.values()) >= chosen - 1e-6
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(prompt))]
+
+
+def test_echo_with_generated_tokens_puts_the_prompt_first(served):
+    """lm-eval's newer shape (max_tokens 1) and a streamed echo: prompt text, then the greedy output;
+    the prompt's logprobs, then the generated token's."""
+    llm = served["llm"]
+    want = greedy(llm, [PROMPT], 3)[0]
+    out = complete(served["http"], prompt=PROMPT, max_tokens=3, echo=True, logprobs=0, temperature=0)
+    choice = out["choices"][0]
+    n_prompt = len(llm.tokenizer.encode(PROMPT))
+    assert choice["text"] == PROMPT + want and out["usage"]["completion_tokens"] == 3
+    assert len(choice["logprobs"]["tokens"]) == n_prompt + 3
+    assert choice["logprobs"]["token_logprobs"][1:n_prompt] == pytest.approx(llm.score(
+        llm.tokenizer.encode(PROMPT)), abs=1e-4)
+    assert choice["logprobs"]["text_offset"][n_prompt] == len(PROMPT)  # generated tokens start after the prompt
+    events = sse(served["http"], "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "echo": True,
+                                                     "temperature": 0, "stream": True})
+    texts = [c["text"] for e in events for c in e["choices"] if c["text"]]
+    assert texts[0] == PROMPT and "".join(texts) == PROMPT + want
+
+
 def test_guidellm_streams(served):
     """guidellm's OpenAI backend: streaming with usage, max_tokens and max_completion_tokens both set,
     stop null, ignore_eos, no temperature; chat content as a list of text parts."""
@@ -182,7 +220,8 @@ def test_guidellm_streams(served):
 @pytest.mark.parametrize("field, value, named", [
     ("n", 0, "n"), ("n", "2", "n"), ("n", 65, "n"), ("best_of", 3, "best_of"),
     ("prompt", ["a", [1, 2]], "prompt"), ("prompt", [], "prompt"), ("prompt", [[]], "prompt"),
-    ("prompt", ["x"] * 65, "prompt"), ("echo", True, "echo"), ("suffix", "}", "suffix"),
+    ("prompt", ["x"] * 65, "prompt"), ("suffix", "}", "suffix"), ("max_tokens", 0, "max_tokens"),
+    ("echo", "yes", "echo"), ("logprobs", 21, "logprobs"),
     ("logprobs", True, "logprobs"), ("stream_options", {"include_usage": True}, "stream_options")])
 def test_refused_completion_fields_are_400_naming_them(served, field, value, named):
     status, _, body = post(f"{served['http']}/v1/completions", {"prompt": "x", "max_tokens": 2, field: value})
@@ -191,8 +230,36 @@ def test_refused_completion_fields_are_400_naming_them(served, field, value, nam
 
 
 @pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                          ("tool_choice", "auto"), ("top_logprobs", 3), ("n", -1)])
+                                          ("tool_choice", "auto"), ("top_logprobs", 3), ("n", -1),
+                                          ("echo", True)])
 def test_refused_chat_fields_are_400_naming_them(served, field, value):
     status, _, body = post(f"{served['http']}/v1/chat/completions",
                            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, field: value})
     assert status == 400 and body["error"]["param"] == field, body
+
+
+# ---- the typed models: OpenAPI, docs, and their errors as OpenAI 400s ------------------------------
+def test_openapi_and_docs_are_served_from_the_typed_models(served):
+    status, schema = get_json(f"{served['http']}/openapi.json")
+    assert status == 200 and {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= set(
+        schema["paths"])
+    props = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"prompt", "n", "seed", "logit_bias", "max_completion_tokens", "stream_options"} <= set(props)
+    assert schema["components"]["schemas"]["CompletionRequest"]["required"] == ["prompt"]
+    with urllib.request.urlopen(f"{served['http']}/docs", timeout=10) as r:
+        assert r.status == 200 and b"/openapi.json" in r.read()
+
+
+@pytest.mark.parametrize("path, body, named", [
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 99}, "top_logprobs"),
+])
+def test_type_errors_are_openai_400s_naming_the_field(served, path, body, named):
+    status, _, out = post(f"{served['http']}{path}", body)
+    assert status == 400 and out["error"]["param"] == named and named in out["error"]["message"], out
+    assert out["error"]["type"] == "invalid_request_error"

@@ -125,3 +125,24 @@ def test_greedy_logprob_sum_matches_score(llm):
     scored = llm.score([5, 6, 7, 8] + out.token_ids)
     generated = [lp[t] for lp, t in zip(out.outputs[0].logprobs, out.token_ids)]
     assert all(math.isclose(a, b, abs_tol=1e-4) for a, b in zip(scored[-5:], generated))
+
+
+def test_prompt_logprobs_equal_transformers_also_from_the_prefix_cache(llm):
+    """SamplingParams.prompt_logprobs: per prompt token (None for the first) the token's logprob given
+    its prefix and the top-n, equal to transformers' log_softmax on the same weights; a second request
+    whose prompt is all in the prefix cache still gets every position."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]  # > one 16-token block
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    first, cached = (llm.generate([prompt], params)[0] for _ in range(2))
+    assert cached.num_cached_tokens >= 16  # the second one's KV came from the cache
+    hf = AutoModelForCausalLM.from_pretrained(llm.engine.config.model, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+    for out in (first, cached):
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for pos, entry in enumerate(out.prompt_logprobs[1:]):
+            want = set(ref[pos].topk(3).indices.tolist()) | {prompt[pos + 1]}
+            assert set(entry) == want
+            assert all(math.isclose(entry[t], float(ref[pos, t]), abs_tol=1e-4) for t in want)

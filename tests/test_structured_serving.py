@@ -3,7 +3,8 @@ every prompt prefilled remotely, so the first token is sampled under the grammar
 worker): OpenAI `response_format` (json_schema, json_object), vLLM's `structured_outputs` and
 `guided_choice`; greedy equal to the offline engine; every seeded sample valid; bad grammars 400.
 Also the logits controls the same way: penalties, logit_bias (string keys, as JSON sends them) and
-min_tokens equal to the offline engine, P sampling the first token under them."""
+min_tokens equal to the offline engine, P sampling the first token under them; and completions'
+echo with the prompt's logprobs."""
 
 from __future__ import annotations
 
@@ -118,6 +119,24 @@ def test_completion_logprobs_with_text_offsets(cluster):
     want = [entry[t] for t, entry in zip(offline.outputs[0].token_ids, offline.outputs[0].logprobs)]
     assert lp["token_logprobs"] == pytest.approx(want, abs=1e-4)
     assert all(len(top) >= 2 for top in lp["top_logprobs"])
+
+
+def test_echo_prompt_logprobs_through_pd_equal_llm_score(cluster):
+    """The prompt is prefilled on P; its logprobs come from D's own pass (P never computes them), equal
+    to the offline engine's score; the completion after it equals the offline greedy output."""
+    from tandem import LLM, SamplingParams
+
+    llm = LLM(cluster["ckpt"], num_kv_blocks=256)
+    ids = llm.tokenizer.encode("record = {'id': 7, 'ok':")
+    status, out = complete(cluster["http"], prompt=ids, temperature=0, max_tokens=4, echo=True, logprobs=2,
+                           ignore_eos=True)
+    assert status == 200, out
+    lp = out["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1:len(ids)] == pytest.approx(llm.score(ids), abs=1e-4)
+    want = llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert out["choices"][0]["text"] == llm.tokenizer.decode(ids, skip_special_tokens=False) + want.text
+    assert len(lp["tokens"]) == len(ids) + 4
 
 
 @pytest.mark.parametrize("body,param", [

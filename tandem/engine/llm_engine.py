@@ -135,6 +135,8 @@ class LLMEngine:
         if params.structured_outputs is not None:
             resume = params.structured_outputs.get("resume_tokens", 0)
             req.grammar = self.grammars.state(params.structured_outputs, ids[len(ids) - resume:] if resume else None)
+        if params.prompt_logprobs is not None:  # vLLM's shape: None for the first token (it has no prefix)
+            req.prompt_logprobs = [None, *self.runner.prompt_logprobs(ids, params.prompt_logprobs)]
         return req
 
     @functools.cached_property
@@ -296,7 +298,7 @@ class LLMEngine:
         logprobs = list(req.logprobs) if req.logprobs is not None else None
         completion = CompletionOutput(text, req.output_token_ids, req.finish_reason, req.stop_reason, logprobs)
         return RequestOutput(rid, req.prompt_token_ids, [completion], req.finished,
-                             max(req.num_cached_tokens, 0), delta, new_ids)
+                             max(req.num_cached_tokens, 0), delta, new_ids, req.prompt_logprobs)
 
     def _apply_stop_strings(self, req: Request, delta: str) -> str:
         rid = req.request_id

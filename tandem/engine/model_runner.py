@@ -157,6 +157,13 @@ class ModelRunner:
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> list[float]:
         """Log-prob of each token after the first given its prefix, in one cache-free pass."""
+        return [row[t] for row, t in zip(self.prompt_logprobs(token_ids, 0), token_ids[1:])]
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: list[int], top_n: int) -> list[dict[int, float]]:
+        """For each token after the first: {token: logprob given its prefix} for it and the top_n most
+        likely tokens there. One cache-free pass over the prompt (no KV block is touched), so it is the
+        same whether the prompt's KV came from the prefix cache, a chunked prefill or a prefill worker."""
         n = len(token_ids)
         meta = AttentionMetadata(
             ops=self.ops, kv_caches=self.kv_caches, kv_scales=self.kv_scales,
@@ -168,8 +175,16 @@ class ModelRunner:
         )
         ids = torch.tensor(token_ids, device=self.device)
         hidden = self.model(ids, torch.arange(n, device=self.device), meta)
-        logp = torch.log_softmax(self.model.compute_logits(hidden[:-1]), dim=-1)
-        return logp.gather(1, ids[1:, None]).squeeze(1).tolist()
+        rows: list[dict[int, float]] = []
+        for start in range(0, n - 1, 256):  # [256, vocab] logits at a time, not [n, vocab]
+            logp = torch.log_softmax(self.model.compute_logits(hidden[start:min(start + 256, n - 1)]).float(), dim=-1)
+            chosen = logp.gather(1, ids[start + 1:start + 1 + logp.shape[0], None]).squeeze(1).tolist()
+            top = logp.topk(top_n) if top_n > 0 else None
+            for i, lp in enumerate(chosen):
+                row = dict(zip(top.indices[i].tolist(), top.values[i].tolist())) if top is not None else {}
+                row[int(token_ids[start + 1 + i])] = lp
+                rows.append(row)
+        return rows
 
 
 def _decode_group(scheduled: list[ScheduledRequest]) -> tuple[int, list[ScheduledRequest]]:

@@ -27,7 +27,8 @@ class Request:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "eos_token_ids", "max_tokens",
                  "arrival_time", "status", "num_computed_tokens", "block_ids", "block_hashes",
                  "num_cached_tokens", "generator", "spec_token_ids", "finish_reason", "stop_reason",
-                 "logprobs", "num_preemptions", "priority", "num_registered_blocks", "kv_peer", "grammar")
+                 "logprobs", "num_preemptions", "priority", "num_registered_blocks", "kv_peer", "grammar",
+                 "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: set[int], max_tokens: int, priority: int = 0) -> None:
@@ -53,6 +54,7 @@ class Request:
         self.num_preemptions = 0
         self.kv_peer: str | None = None  # decode role: the prefill worker its prompt's KV comes from
         self.grammar = None  # structured.GrammarState when params.structured_outputs (set by the engine)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None  # set by the engine when asked
 
     @property
     def num_tokens(self) -> int:

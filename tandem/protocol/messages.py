@@ -57,6 +57,7 @@ class Output:
     logprobs: Any_ = None  # per new token: [[token_id, logprob], ...]
     stop_reason: Any_ = None
     queue_time_s: Any_ = None
+    prompt_logprobs: Any_ = None  # first output only, when asked: per prompt token [[token_id, logprob], ...] | None
 
 
 @message("error")
