@@ -95,7 +95,7 @@ class WorkerLinks:
 
 
 class ListenSocket:
-    """ROUTER for worker registration; `handler(msg)` returns an error text to answer with, or None."""
+    """ROUTER for worker registration; `handler(msg, identity)` returns an error text to answer with, or None."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
         self.sock = security.server(ctx.socket(zmq.ROUTER))
@@ -103,7 +103,7 @@ class ListenSocket:
         self.sock.bind(address)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    async def serve(self, handler: Callable[[dict[str, Any]], str | None]) -> None:
+    async def serve(self, handler: Callable[[dict[str, Any], bytes], str | None]) -> None:
         while True:
             frames = await self.sock.recv_multipart()
             if len(frames) != 2:
@@ -116,12 +116,16 @@ class ListenSocket:
                 self._reply(identity, None, str(exc))
                 continue
             try:
-                error = handler(msg)
+                error = handler(msg, identity)
             except Exception as exc:
                 log.exception("registration handling failed")
                 error = f"router error: {exc}"
             if error is not None:
                 self._reply(identity, msg.get("id"), error)
+
+    def refuse(self, identity: bytes, message: str) -> None:
+        """Tell a registered worker, after the fact, that its registration was refused."""
+        self._reply(identity, None, message)
 
     def _reply(self, identity: bytes, rid: Any, message: str) -> None:
         try:

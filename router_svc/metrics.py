@@ -47,6 +47,9 @@ for _from, _to in (("prefill", "decode"), ("decode", "prefill")):  # exported at
     for _by in ("admin", "rebalance"):
         ROLE_CHANGES.labels(_from, _to, _by)
 WORKERS_LOST = Counter("tandem_router_workers_lost_total", "Workers removed for missing heartbeats", ["role"])
+REGISTRATIONS_REFUSED = Counter("tandem_router_registrations_refused_total",
+                                "Worker registrations refused: reason duplicate_id or unreachable (advertised address)",
+                                ["reason"])
 WORKERS_HUNG = Counter("tandem_router_workers_hung_total",
                        "Workers declared hung: heartbeating, but no engine-loop progress for the hung timeout",
                        ["role"])

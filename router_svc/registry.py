@@ -14,7 +14,12 @@ Alive, slow and hung are three things:
 4. Hung: alive but with no loop progress for `hung_timeout_s` (default 60 s, sized for a long
    prefill of a real model). `expire()` returns it like a dead one (its requests are retried or
    failed) and keeps it, marked hung and not routable; it comes back when its loop moves again.
-5. Static workers (`--decode ADDR`, `--prefill ADDR`) never register: the router polls them with
+5. Checked at the door: a registration is refused, with a message naming the worker, when its
+   worker_id is in use by another live worker (at another address), or when the router cannot
+   reach the control address it advertises (no `stats_reply` within REACH_TIMEOUT_S: a wrong
+   `--advertise`, a firewall). Until that reply it is registered but not routable. The refused
+   worker's Registrar keeps asking, so it gets in once the conflict is gone.
+6. Static workers (`--decode ADDR`, `--prefill ADDR`) never register: the router polls them with
    `stats`, and a `stats_reply` is their heartbeat. A static worker is down until its first reply;
    a silent one is marked down again, not forgotten, and comes back with its next reply. (Their
    replies come from the engine loop, so a long step can mark one down: register workers instead.)
@@ -33,6 +38,8 @@ from router_svc import metrics
 log = structlog.get_logger(__name__)
 
 ROLES = ("decode", "prefill")
+REACH_TIMEOUT_S = 5.0  # a registering worker must answer over its advertised control address within this
+REFUSAL_LOG_EVERY_S = 10.0  # a refused worker asks again each interval: log each refusal this often
 STALLED_S = 2.0  # a loop this late is "slow": the router prefers other workers for new requests
 
 
@@ -49,6 +56,8 @@ class Worker:
     hung: bool = False  # alive, but its engine loop made no progress for the hung timeout
     stats: dict[str, Any] = field(default_factory=dict)
     inflight: int = 0  # requests routed here and not finished (prefill: not started yet)
+    identity: bytes = b""  # its registration connection: heartbeats must come from it
+    unverified_since: float | None = None  # registered, its control address has not answered yet
 
     def loop_age_s(self, now: float | None = None) -> float:
         """How long ago the engine loop last came round, as of now (0 for workers that do not say)."""
@@ -63,7 +72,8 @@ class Worker:
 
     def describe(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "role": self.role, "address": self.address, "static": self.static,
-                "alive": self.alive, "hung": self.hung, "loop_age_s": round(self.loop_age_s(), 3),
+                "alive": self.alive, "hung": self.hung, "reachable": self.unverified_since is None,
+                "loop_age_s": round(self.loop_age_s(), 3),
                 "inflight": self.inflight, "seconds_since_seen": round(time.monotonic() - self.last_seen, 3),
                 "stats": self.stats}
 
@@ -74,6 +84,7 @@ class Registry:
         self.static_timeout_s = static_timeout_s
         self.misses = misses
         self.hung_timeout_s = hung_timeout_s
+        self._refusals_logged: dict[tuple[str, str], float] = {}
 
     # ---- membership ----------------------------------------------------------------------------
     def add_static(self, role: str, address: str) -> Worker:
@@ -84,12 +95,13 @@ class Registry:
         self._update_gauges()
         return worker
 
-    def handle(self, msg: dict[str, Any]) -> tuple[str | None, Worker | None]:
-        """Apply a `register`/`heartbeat`. Returns (error text to answer with or None, a worker the
-        router must treat as lost because this registration replaced it, or None)."""
+    def handle(self, msg: dict[str, Any], identity: bytes = b"") -> tuple[str | None, Worker | None]:
+        """Apply a `register`/`heartbeat` that came over registration connection `identity`. Returns
+        (error text to answer with or None, a worker the router must treat as lost because this
+        registration replaced it, or None)."""
         kind, wid = msg["type"], msg.get("worker_id")
         if kind == "register":
-            return self._register(msg)
+            return self._register(msg, identity)
         if kind == "deregister":  # a clean exit (after draining): gone now, not lost
             worker = self.workers.get(wid) if isinstance(wid, str) else None
             if worker is None or worker.static:
@@ -102,6 +114,10 @@ class Registry:
             worker = self.workers.get(wid) if isinstance(wid, str) else None
             if worker is None or worker.static:
                 return f"unknown worker_id {wid!r}: send register first", None
+            if worker.identity and identity and identity != worker.identity:
+                # another process with the same id (refused, or about to be), or this one reconnected:
+                # registering again sorts out which
+                return f"worker_id {wid!r} is registered over another connection: register again", None
             worker.stats, worker.last_seen = msg["stats"], time.monotonic()
             if worker.hung and worker.loop_age_s() < self.hung_timeout_s:
                 worker.hung, worker.alive = False, True
@@ -110,7 +126,7 @@ class Registry:
             return None, None
         return f"the router's listen socket does not accept {kind!r}", None
 
-    def _register(self, msg: dict[str, Any]) -> tuple[str | None, Worker | None]:
+    def _register(self, msg: dict[str, Any], identity: bytes) -> tuple[str | None, Worker | None]:
         wid, role, address = msg["worker_id"], msg["role"], msg["control_address"]
         if role not in ROLES:
             return f"register: role must be one of {ROLES}, got {role!r}", None
@@ -121,22 +137,60 @@ class Registry:
         old = self.workers.get(wid)
         if old is not None and old.static:
             return f"register: worker_id {wid!r} names a static worker", None
+        now = time.monotonic()
+        if old is not None and old.address != address and now - old.last_seen < self.misses * old.interval_s:
+            # a restarted worker at a new address waits here until its old self has expired (~2 s)
+            return self._refuse(wid, address, "duplicate_id",
+                                f"register: worker_id {wid!r} is in use by a live {old.role} worker at {old.address} "
+                                f"(this one advertises {address}); give each worker its own --worker-id"), None
         replaced = old if old is not None and (old.address != address or old.role != role) else None
         if old is not None and replaced is None:
-            old.interval_s, old.last_seen = msg["interval_ms"] / 1000, time.monotonic()
-            old.alive, old.hung = True, False
+            old.interval_s, old.last_seen, old.identity = msg["interval_ms"] / 1000, now, identity
+            old.alive, old.hung = old.unverified_since is None, False
             return None, None
-        self.workers[wid] = Worker(worker_id=wid, role=role, address=address, model=msg["model"],
-                                   interval_s=msg["interval_ms"] / 1000)
-        log.info("worker registered", worker_id=wid, role=role, address=address, model=msg["model"])
+        self.workers[wid] = Worker(worker_id=wid, role=role, address=address, model=msg["model"], alive=False,
+                                   interval_s=msg["interval_ms"] / 1000, identity=identity, unverified_since=now)
+        log.info("worker registering: waiting for its control address to answer", worker_id=wid, role=role,
+                 address=address, model=msg["model"])
         self._update_gauges()
         return None, replaced
 
+    def unverified(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.unverified_since is not None]
+
+    def unreachable(self, now: float | None = None) -> list[tuple[Worker, str]]:
+        """Registered workers whose control address never answered: removed, each with the refusal."""
+        now = time.monotonic() if now is None else now
+        refused = []
+        for worker in self.unverified():
+            assert worker.unverified_since is not None
+            if now - worker.unverified_since > REACH_TIMEOUT_S:
+                del self.workers[worker.worker_id]
+                refused.append((worker, self._refuse(
+                    worker.worker_id, worker.address, "unreachable",
+                    f"register: worker {worker.worker_id!r} advertises control address {worker.address}, which the "
+                    f"router cannot reach (no answer in {REACH_TIMEOUT_S:.0f} s); check --advertise / --listen and "
+                    "the network between them")))
+        return refused
+
+    def _refuse(self, wid: str, address: str, reason: str, message: str) -> str:
+        metrics.REGISTRATIONS_REFUSED.labels(reason).inc()
+        now, key = time.monotonic(), (wid, address)
+        if now - self._refusals_logged.get(key, -REFUSAL_LOG_EVERY_S) >= REFUSAL_LOG_EVERY_S:
+            self._refusals_logged[key] = now
+            log.warning("registration refused", worker_id=wid, address=address, reason=reason, message=message)
+        return message
+
     def on_stats_reply(self, address: str, stats: dict[str, Any]) -> None:
-        """A static worker answered our poll (registered workers' replies just refresh stats)."""
+        """A static worker answered our poll, or a registering one proved its control address works
+        (later registered workers' replies just refresh stats)."""
         for worker in self.workers.values():
             if worker.address == address:
                 worker.stats, worker.last_seen = stats, time.monotonic()
+                if worker.unverified_since is not None:
+                    worker.unverified_since, worker.alive = None, True
+                    log.info("worker registered", worker_id=worker.worker_id, role=worker.role, address=address)
+                    self._update_gauges()
                 if worker.static and not worker.alive:
                     worker.alive = True
                     log.info("static worker is up", worker_id=worker.worker_id, role=worker.role)

@@ -150,10 +150,14 @@ class RouterService:
         assert self.router is not None
         self.router.on_worker_message(address, msg)
 
-    def _on_registration(self, msg: dict) -> str | None:
-        error, replaced = self.registry.handle(msg)
+    def _on_registration(self, msg: dict, identity: bytes) -> str | None:
+        assert self.links is not None
+        error, replaced = self.registry.handle(msg, identity)
         if replaced is not None:
             self._lost(replaced)
+        worker = self.registry.workers.get(msg.get("worker_id", "")) if error is None else None
+        if worker is not None and worker.unverified_since is not None:
+            self.links.try_send(worker.address, "stats")  # its reply makes it routable
         return error
 
     def _lost(self, worker) -> None:
@@ -178,8 +182,12 @@ class RouterService:
             if self.rebalancer is not None:
                 self.rebalancer.tick(now)
             if tick % poll_every == 0:
-                for worker in self.registry.statics():
+                for worker in self.registry.statics() + self.registry.unverified():
                     self.links.try_send(worker.address, "stats")
+            for worker, refusal in self.registry.unreachable(now):
+                assert self.listen is not None
+                self.listen.refuse(worker.identity, refusal)
+                self.links.drop(worker.address)
             now_serving = bool(self.registry.live("decode")) and not (self.router is not None and self.router.draining)
             if now_serving != serving:
                 serving = now_serving

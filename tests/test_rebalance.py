@@ -47,6 +47,7 @@ def _cluster(decode: int, prefill: int, switchable: bool = True) -> Registry:
             wid = f"{role[0]}{i}"
             reg.handle({"type": "register", "worker_id": wid, "role": role, "control_address": f"tcp://h:{i}/{wid}",
                         "model": "m", "interval_ms": 500})
+            reg.on_stats_reply(f"tcp://h:{i}/{wid}", {})  # its control address answered
             reg.handle({"type": "heartbeat", "worker_id": wid, "stats": {"switchable": switchable, "running": i}})
     return reg
 

@@ -56,6 +56,8 @@ def test_registry_heartbeats_expiry_and_static_workers():
     register = {"type": "register", "worker_id": "d9", "role": "decode", "control_address": "tcp://d9",
                 "model": "m", "interval_ms": 100}
     assert reg.handle(register) == (None, None) and reg.handle(beat) == (None, None)
+    assert reg.live("decode") == []  # registered, but not routable before its control address answers
+    reg.on_stats_reply("tcp://d9", {"waiting": 2})
     assert reg.live("decode")[0].stats == {"waiting": 2}
     assert "role" in reg.handle({**register, "worker_id": "x", "role": "both"})[0]
     static = reg.add_static("prefill", "tcp://p9")
@@ -68,6 +70,38 @@ def test_registry_heartbeats_expiry_and_static_workers():
     assert reg.expire(static.last_seen + 1.5) == [static] and reg.live("prefill") == []
     reg.on_stats_reply("tcp://p9", {"running": 0})  # a static worker comes back with its next reply
     assert reg.live("prefill") == [static]
+
+
+def test_registry_refuses_a_duplicate_id_and_an_unreachable_address_by_name():
+    from router_svc.registry import REACH_TIMEOUT_S, Registry
+
+    reg = Registry(misses=3)
+    register = {"type": "register", "worker_id": "d1", "role": "decode", "control_address": "tcp://a:1",
+                "model": "m", "interval_ms": 100}
+    assert reg.handle(register, b"conn-a") == (None, None)
+    reg.on_stats_reply("tcp://a:1", {})
+    twin = {**register, "control_address": "tcp://b:1"}
+    error, replaced = reg.handle(twin, b"conn-b")  # same id, another address, the first one alive
+    assert replaced is None and "'d1' is in use by a live decode worker at tcp://a:1" in error and "tcp://b:1" in error
+    # the twin's heartbeats (same id, another connection) neither count for d1 nor are accepted
+    seen = reg.workers["d1"].last_seen
+    beat = {"type": "heartbeat", "worker_id": "d1", "stats": {"twin": True}}
+    assert "another connection" in reg.handle(beat, b"conn-b")[0]
+    assert reg.workers["d1"].last_seen == seen and reg.workers["d1"].stats == {}
+    assert reg.handle(beat, b"conn-a") == (None, None)
+    # once the first d1 has missed its heartbeats, the same id at a new address is a restart: taken
+    reg.workers["d1"].last_seen -= 1.0
+    error, replaced = reg.handle(twin, b"conn-b")
+    assert error is None and replaced is not None and replaced.address == "tcp://a:1"
+    assert reg.live("decode") == []  # not routable until tcp://b:1 answers
+    # a worker whose address never answers is removed after REACH_TIMEOUT_S, with a refusal naming it
+    reg.handle({**register, "worker_id": "ghost", "control_address": "tcp://nowhere:9"}, b"conn-g")
+    assert reg.unreachable() == []
+    gone = reg.unreachable(reg.workers["ghost"].unverified_since + REACH_TIMEOUT_S + 0.1)
+    assert sorted(w.worker_id for w, _ in gone) == ["d1", "ghost"]  # tcp://b:1 never answered either
+    refusal = dict((w.worker_id, text) for w, text in gone)["ghost"]
+    assert "'ghost' advertises control address tcp://nowhere:9, which the router cannot reach" in refusal
+    assert "ghost" not in reg.workers
 
 
 def test_core_retries_unstarted_fails_started_and_admits_boundedly():
@@ -86,6 +120,7 @@ def test_core_retries_unstarted_fails_started_and_admits_boundedly():
         for wid in ("a", "b"):
             reg.handle({"type": "register", "worker_id": wid, "role": "decode", "control_address": f"tcp://{wid}",
                         "model": "m", "interval_ms": 100})
+            reg.on_stats_reply(f"tcp://{wid}", {})  # its control address answered
         router = Router(reg, lambda addr, kind, **f: sent.append((addr, kind, f["id"])), RoundRobin(), RoundRobin(),
                         max_inflight=3, migrate=False)
         params = SamplingParams(max_tokens=4)
@@ -125,6 +160,7 @@ def test_core_migrates_a_started_stream_to_another_worker():
         for wid in ("a", "b"):
             reg.handle({"type": "register", "worker_id": wid, "role": "decode", "control_address": f"tcp://{wid}",
                         "model": "m", "interval_ms": 100})
+            reg.on_stats_reply(f"tcp://{wid}", {})  # its control address answered
         router = Router(reg, lambda addr, kind, **f: sent.append((addr, kind, f)), RoundRobin(), RoundRobin())
         stream = router.submit([1, 2, 3], SamplingParams(max_tokens=5, temperature=0), "r1")
         router.on_worker_message("tcp://a", out("r1", [7, 8]))
@@ -156,6 +192,7 @@ def test_core_migrates_twice_with_the_clients_budget_and_the_grammar_resumed():
         for wid in ("a", "b", "c"):
             reg.handle({"type": "register", "worker_id": wid, "role": "decode", "control_address": f"tcp://{wid}",
                         "model": "m", "interval_ms": 100})
+            reg.on_stats_reply(f"tcp://{wid}", {})  # its control address answered
         router = Router(reg, lambda addr, kind, **f: sent.append((addr, kind, f)), RoundRobin(), RoundRobin())
         spec = {"regex": "[0-9]+"}
         stream = router.submit([1, 2, 3], SamplingParams(max_tokens=10, temperature=0, structured_outputs=spec), "r1")

@@ -37,6 +37,7 @@ log = structlog.get_logger(__name__)
 
 ROLES = ("decode", "prefill")
 DEFAULT_INTERVAL_S = 0.5  # the router declares a worker dead after 3 silent intervals: ~1.5 s
+REFUSAL_LOG_EVERY_S = 10.0  # a refused worker asks again each interval; say so in its log this often
 
 
 class Registrar:
@@ -56,6 +57,7 @@ class Registrar:
         self.heartbeats_sent = 0
         self.draining = False  # set on SIGTERM: heartbeats tell the router to route nothing new here
         self.extra_stats: dict[str, Any] = {}  # constant facts sent with every heartbeat (e.g. switchable)
+        self._refusal, self._refused_at = "", -REFUSAL_LOG_EVERY_S  # the router's last refusal: logged this often
         self._new_role: str | None = None  # a role switch: deregister, then register in this role
         # Written by the engine loop, read by the liveness thread: single reference assignments.
         self._snapshot: dict[str, Any] = {}
@@ -107,7 +109,7 @@ class Registrar:
                     registered = self._send(sock, "register", worker_id=self.worker_id, role=self.role,
                                             control_address=self.control_address, model=self.model,
                                             interval_ms=max(1, round(self.interval_s * 1000)))
-                    if registered:
+                    if registered and not self._refused_recently():  # asking again each interval: quietly
                         log.info("registering with router", router=self.router_address, worker_id=self.worker_id,
                                  role=self.role, address=self.control_address)
                 stats = {**self._snapshot, **self.extra_stats, "loops": self._loops, "draining": self.draining,
@@ -133,9 +135,8 @@ class Registrar:
         except zmq.Again:  # router unreachable and the queue is full: try again next interval
             return False
 
-    @staticmethod
-    def _drain_replies(sock: zmq.Socket, registered: bool) -> bool:
-        """The router only answers to say it does not know us: then register again now."""
+    def _drain_replies(self, sock: zmq.Socket, registered: bool) -> bool:
+        """The router only answers to say it does not know us, or refuses us: then register again now."""
         while True:
             try:
                 frame = sock.recv(zmq.NOBLOCK)
@@ -147,8 +148,17 @@ class Registrar:
                 log.warning("bad message from router", error=str(exc))
                 continue
             if msg["type"] == "error":
-                log.info("router asked us to register again", message=msg["message"])
                 registered = False
+                text, now = msg["message"], time.monotonic()
+                if text.startswith("register:"):  # refused: we keep asking, the operator must act
+                    if text != self._refusal or now - self._refused_at > REFUSAL_LOG_EVERY_S:
+                        log.warning("router refused our registration", message=text)
+                        self._refusal, self._refused_at = text, now
+                elif not self._refused_recently():
+                    log.info("router asked us to register again", message=text)
+
+    def _refused_recently(self) -> bool:
+        return time.monotonic() - self._refused_at < REFUSAL_LOG_EVERY_S
 
     def switch_role(self, role: str) -> None:
         """The worker now serves `role`: the liveness thread deregisters and registers again in it
