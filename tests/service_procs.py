@@ -190,8 +190,9 @@ def start_colocated_decode(name: str, router: str, log_dir: Path, stall: str | N
                        "--worker-id", name, "--num-kv-blocks", "256"], log_dir, env)
 
 
-def metric_value(http: str, name: str) -> float:
-    """Sum of the samples of metric `name` (all label sets) on a /metrics page."""
+def metric_value(http: str, name: str, **labels: str) -> float:
+    """Sum of the samples of metric `name` on a /metrics page: all label sets, or those with `labels`."""
     with urllib.request.urlopen(f"{http}/metrics", timeout=10) as r:
         lines = [line for line in r.read().decode().splitlines() if re.match(rf"{name}(\{{.*\}})? ", line)]
+    lines = [line for line in lines if all(f'{k}="{v}"' in line for k, v in labels.items())]
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
