@@ -49,16 +49,13 @@ def test_dry_run_prints_the_exact_commands(capsys):
                          "50051", "--listen", "tcp://0.0.0.0:5557", "--decode-policy", "least_loaded", *keys]
     for i in range(2):
         assert remote[1 + i] == ["env", f"CUDA_VISIBLE_DEVICES={i}", *python, "prefill", *model, "--kv-connector",
-                                 "zmq", "--listen", f"tcp://0.0.0.0:{6000 + i}", "--router", "tcp://10.0.0.1:5557",
-                                 "--worker-id", f"10.0.0.2-prefill-{i}", "--cpus", f"{i}/2",
-                                 "--advertise", f"tcp://10.0.0.2:{6000 + i}",
-                                 *keys, *engine]
+                                 "zmq", "--listen", f"tcp://10.0.0.2:{6000 + i}", "--router", "tcp://10.0.0.1:5557",
+                                 "--worker-id", f"10.0.0.2-prefill-{i}", "--cpus", f"{i}/2", *keys, *engine]
         assert remote[3 + i] == ["env", f"CUDA_VISIBLE_DEVICES={i}", *python, "decode", "--model",
                                  "/data/models/Llama-3.1-8B-Instruct", "--kv-connector", "zmq", "--listen",
-                                 f"tcp://0.0.0.0:{6100 + i}", "--router", "tcp://10.0.0.1:5557", "--worker-id",
-                                 f"10.0.0.3-decode-{i}", "--cpus", f"{i}/2",
-                                 "--advertise", f"tcp://10.0.0.3:{6100 + i}",
-                                 "--kv-listen", f"tcp://10.0.0.3:{6200 + i}", *keys, *engine,
+                                 f"tcp://10.0.0.3:{6100 + i}", "--router", "tcp://10.0.0.1:5557", "--worker-id",
+                                 f"10.0.0.3-decode-{i}", "--cpus", f"{i}/2", "--kv-listen",
+                                 f"tcp://10.0.0.3:{6200 + i}", *keys, *engine,
                                  "--local-prefill-threshold", "16"]
 
 

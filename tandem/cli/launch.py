@@ -4,8 +4,11 @@
    key is a ValueError that names it, e.g. `hosts[1].decode.cont: unknown key`.
 2. Plan one command per process: the router on `router.host`, then `count` workers per role per
    host, worker i of a role listening on `port + i`. Hosts named localhost/127.0.0.1 run as local
-   processes, any other host over `ssh -T`. Every command is checked against `tandem`'s own
-   argument parser before anything starts. `--dry-run` prints the commands and stops here.
+   processes, any other host over `ssh -T` (tandem/cli/launch_ssh.py). Workers bind only the address
+   of their host as the YAML names it. Every command is checked against `tandem`'s own argument
+   parser before anything starts. `--dry-run` prints the commands and stops here.
+   Then every remote host must answer over ssh with this tandem version (preflight), or nothing starts
+   and the launch exits 2 naming the host.
 3. Start the router, then the workers (registering to `tcp://router.host:listen_port`), wait until
    the router's /health counts all of them, print the endpoints, and supervise exactly as
    `tandem up` does (tandem/cli/supervise.py): a dead process stops everything with exit 1.
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.cli import cpus
+from tandem.cli.launch_ssh import preflight, remote_command, remote_python, ssh_prefix
 from tandem.cli.supervise import Supervisor, engine_actions, engine_flags, run_supervised, wait_healthy
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -58,6 +62,9 @@ class Planned:
     role: str
     argv: list[str]  # what runs on this machine (ssh ... for a remote host)
     env: dict[str, str] = field(default_factory=dict)
+    where: str = ""  # the YAML entry it comes from, for error messages
+    ssh: list[str] = field(default_factory=list)  # remote only: `ssh ... user@host`
+    python: str = ""  # remote only: the interpreter there
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"# {proc.name} on {proc.host}")
             print(shlex.join(proc.argv))
         return 0
+    from tandem import __version__
+
+    preflight([(p.where, p.host, p.ssh, p.python) for p in (router, *workers) if p.ssh], __version__)
     sup = Supervisor(echo=not args.quiet)
     counts = {role: sum(w.role == role for w in workers) for role in ("decode", "prefill")}
 
@@ -317,14 +327,12 @@ def plan(cluster: dict[str, Any]) -> tuple[Planned, list[Planned]]:
                 slot += 1
                 name = f"{h['host']}-{role}-{k}"
                 port = spec["port"] + k if spec["port"] else 0
+                # bound on the host's own address only: the one the router and P reach it at
                 argv = [role, *_model_flag(h.get("model", model)), "--kv-connector", connector,
-                        "--listen", f"tcp://{'127.0.0.1' if local else '0.0.0.0'}:{port}",
+                        "--listen", f"tcp://{'127.0.0.1' if local else h['host']}:{port}",
                         "--router", registration, "--worker-id", name, "--cpus", cores]
-                if not local:  # bound on every interface; the router must be told where to reach us
-                    argv += ["--advertise", f"tcp://{h['host']}:{port}"]
                 if role == "decode" and connector != "none" and (spec["kv_port"] is not None or not local):
-                    # bound on the host's own address: that is what P connects to (a wildcard bind
-                    # would advertise whatever the hostname resolves to, often 127.0.1.1)
+                    # (a wildcard bind would advertise whatever the hostname resolves to, often 127.0.1.1)
                     kv_port = spec["kv_port"] + k if spec["kv_port"] else 0
                     argv += ["--kv-listen", f"tcp://{'127.0.0.1' if local else h['host']}:{kv_port}"]
                 argv += [*links, *engine_flags(cluster["engine"]), *spec["args"]]
@@ -353,18 +361,12 @@ def _model_flag(model: str | None) -> list[str]:
 def _command(name: str, host: str, tandem_args: list[str], env: dict[str, str], cluster: dict[str, Any],
              entry: dict[str, Any], where: str) -> Planned:
     _check_args(tandem_args, where)
-    ssh = cluster["ssh"]
     if host in LOCAL_HOSTS:
         python = entry.get("python", sys.executable)
-        return Planned(name, host, tandem_args[0], [python, "-m", "tandem.cli.up", *tandem_args], env)
-    python = entry.get("python", ssh.get("python", "python3"))
-    remote = ["exec", *(["env", *(f"{k}={v}" for k, v in env.items())] if env else []),
-              python, "-m", "tandem.cli.up", *tandem_args]
-    user = entry.get("user", ssh.get("user"))
-    port = ["-p", str(ssh["port"])] if "port" in ssh else []
-    argv = ["ssh", "-T", "-o", "BatchMode=yes", *port, *ssh["options"], f"{user}@{host}" if user else host,
-            shlex.join(remote)]
-    return Planned(name, host, tandem_args[0], argv)
+        return Planned(name, host, tandem_args[0], [python, "-m", "tandem.cli.up", *tandem_args], env, where)
+    ssh = cluster["ssh"]
+    return Planned(name, host, tandem_args[0], remote_command(host, entry, ssh, tandem_args, env), where=where,
+                   ssh=ssh_prefix(host, entry, ssh), python=remote_python(entry, ssh))
 
 
 def _check_args(tandem_args: list[str], where: str) -> None:
