@@ -165,7 +165,8 @@ def test_cluster_with_link_keys_serves_and_refuses_rogues(tmp_path):
 
 
 def test_launch_secures_an_all_local_cluster_by_default():
-    from tandem.cli.launch import plan, validate
+    from tandem.cli.launch import plan
+    from tandem.cli.launch_config import validate
 
     local = {"host": "localhost", "prefill": {"count": 1}, "decode": {"count": 1}}
     router, workers = plan(validate({"router": {"host": "localhost"}, "hosts": [local]}))
