@@ -157,12 +157,18 @@ class Supervisor:
         return json.loads(self.wait_for(child, [rf"tandem-{role}-ready (\{{.*\}})"], timeout)[0].group(1))
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
-        """SIGTERM every child (they shut down in parallel), SIGKILL what is left after `grace`."""
+        """Stop every child (they shut down in parallel), SIGKILL what is left after `grace`. A remote
+        child (ssh) is stopped through its tether, not a signal: closing ssh's stdin reaches the remote
+        process, which stops itself, and ssh exits when it has, so this returns only once remote
+        processes are gone too (a SIGTERM would end ssh at once and leave the remote to stop unseen)."""
         force = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: force.set())  # a second Ctrl-C: stop waiting, kill
         for child in self.children.values():
-            _signal(child, signal.SIGTERM)
+            if child.argv[0] == "ssh":
+                _close_tether(child)
+            else:
+                _signal(child, signal.SIGTERM)
         deadline = time.monotonic() + grace
         while any(c.popen.poll() is None for c in self.children.values()):
             if force.is_set() or time.monotonic() > deadline:
@@ -172,10 +178,17 @@ class Supervisor:
             time.sleep(0.05)
         for child in self.children.values():
             child.popen.wait()
-            if child.popen.stdin is not None:
-                child.popen.stdin.close()
+            _close_tether(child)
             if child.reader is not None:
                 child.reader.join(2.0)
+
+
+def _close_tether(child: Child) -> None:
+    if child.popen.stdin is not None and not child.popen.stdin.closed:
+        try:
+            child.popen.stdin.close()
+        except OSError:
+            pass  # ssh already gone
 
 
 def _signal(child: Child, sig: int) -> None:
