@@ -2,12 +2,12 @@
 address on a private /24 (10.77.K.i, never loopback), a command runner inside a host, a link that
 can be cut and restored like a pulled cable, and cleanup that always runs.
 
-Layout (one `Hosts` instance; K is derived from this process's pid so that parallel sessions do not
+Layout (one `Hosts` instance, the k-th this process made; K is derived from the pid and k so that
 collide):
 
-    root namespace (the test, the client, `ssh`) ── bridge tb<pid> 10.77.K.254/24
-        ├── veth tv<pid>h1 ══ eth0 in namespace tnd<pid>h1   10.77.K.1/24
-        ├── veth tv<pid>h2 ══ eth0 in namespace tnd<pid>h2   10.77.K.2/24
+    root namespace (the test, the client, `ssh`) ── bridge tb<pid>x<k> 10.77.K.254/24
+        ├── veth tv<pid>x<k>h1 ══ eth0 in namespace tnd<pid>x<k>h1   10.77.K.1/24
+        ├── veth tv<pid>x<k>h2 ══ eth0 in namespace tnd<pid>x<k>h2   10.77.K.2/24
         └── ...
 
 `cut(i)` sets the bridge side of host i's veth pair down: inside the namespace eth0 keeps its address
@@ -30,7 +30,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-PREFIX = "tnd"  # namespace names: tnd<pid>h<i>; bridge tb<pid>; veths tv<pid>h<i> (IFNAMSIZ is 15)
+PREFIX = "tnd"  # namespace names: tnd<pid>x<k>h<i>; bridge tb<pid>x<k>; veths tv<pid>x<k>h<i> (IFNAMSIZ is 15)
 
 
 def unavailable() -> str | None:
@@ -79,13 +79,14 @@ def reap_stale() -> None:
     """Remove namespaces and bridges of earlier test processes that no longer exist."""
     names = [line.split()[0] for line in _ip("netns", "list", check=False).stdout.splitlines() if line.strip()]
     for ns in names:
-        tag = ns[len(PREFIX):].split("h")[0]
+        tag = ns[len(PREFIX):].split("x")[0]
         if ns.startswith(PREFIX) and tag.isdigit() and not _pid_alive(int(tag)):
             _kill_in(ns)
             _ip("netns", "del", ns, check=False)
     for line in _ip("-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0]
-        if name.startswith("tb") and name[2:].isdigit() and not _pid_alive(int(name[2:])):
+        tag = name[2:].split("x")[0]
+        if name.startswith("tb") and tag.isdigit() and not _pid_alive(int(tag)):
             _ip("link", "del", name, check=False)
 
 
@@ -114,9 +115,15 @@ class Host:
 class Hosts:
     """`with Hosts(4) as net:` — net.hosts[0].addr is 10.77.K.1; net.gateway is the root namespace's."""
 
+    _made = 0  # instances made by this process
+
     def __init__(self, n: int) -> None:
-        tag = os.getpid()
-        self.subnet = f"10.77.{tag % 250}"
+        # Names and subnet are new for every instance: the kernel frees a deleted namespace's veth
+        # asynchronously, so reusing a name right after close() fails with "File exists".
+        pid, k = os.getpid(), Hosts._made
+        Hosts._made += 1
+        tag = f"{pid}x{k}"
+        self.subnet = f"10.77.{(pid + 17 * k) % 250}"
         self.bridge = f"tb{tag}"
         self.gateway = f"{self.subnet}.254"  # the root namespace's address: where the test client sits
         self.hosts = [Host(i, f"{PREFIX}{tag}h{i}", f"{self.subnet}.{i}", f"tv{tag}h{i}") for i in range(1, n + 1)]
