@@ -11,6 +11,10 @@ workload's requests at their Poisson arrival times through the streaming OpenAI 
 misses), judged exactly as `tandem plan` judges simulated ones, and with --profile the simulator's
 prediction for the same requests and arrival times. The machine should be otherwise idle: the client
 and the router share its cores with the workers.
+
+Two predictions: "simulated" takes every worker to have its own hardware (what `tandem plan` assumes);
+"sim shared" also knows which workers `tandem up`'s cpu plan puts on one core (more workers than
+cores: round-robin), and stretches a step by the number of busy workers on its core.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.serve_peer import Server, free_port, machine_info, warm_up  # noqa: E402
 from bench.stream_client import Sent, run_load  # noqa: E402
+from tandem.cli import cpus  # noqa: E402
 from tandem.planner import workload as workloads  # noqa: E402
 from tandem.planner.planner import Outcome, Slo, Split, simulate, summarise  # noqa: E402
 from tandem.planner.profile import CostModel, Profile  # noqa: E402
@@ -58,6 +63,16 @@ def server_command(a: argparse.Namespace, model: str, port: int) -> list[str]:
            "--ttft-slo", str(a.ttft_slo), "--itl-slo", str(a.itl_slo)]
     cmd += ["--colocated"] if a.colocated else ["--prefill", str(a.prefill)]
     return cmd + a.extra.split()
+
+
+def shared_cores(split: Split) -> list[int] | None:
+    """Per worker (prefill first, then decode: tandem up's order), the core it shares with others, or -1
+    when its cores are its own; None when no worker shares."""
+    names = [f"prefill-{i}" for i in range(split.prefill)] + [f"decode-{i}" for i in range(split.decode)]
+    assignment, _ = cpus.assign(names, cpus.budget(os.environ))
+    groups = [tuple(assignment[n]) for n in names]
+    core_of = [g[0] if groups.count(g) > 1 else -1 for g in groups]
+    return core_of if any(c >= 0 for c in core_of) else None
 
 
 def measured_outcome(split: Split, results, wl: workloads.Workload, slo: Slo) -> tuple[Outcome, int]:
@@ -106,17 +121,23 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
     measured, failed = measured_outcome(split, results, wl, slo)
-    predicted = simulate(CostModel(profile), split, wl, slo) if profile is not None else None
+    predicted = shared = None
+    if profile is not None:
+        predicted = simulate(CostModel(profile), split, wl, slo)
+        core_of = shared_cores(split)
+        shared = simulate(CostModel(profile), split, wl, slo, core_of=core_of) if core_of else predicted
 
     print(f"\n{split}: {len(results)} requests, {failed} failed, {wall:.0f} s; load average "
           f"{load_before[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     print(f"SLOs: TTFT <= {a.ttft_slo:g} s, ITL <= {a.itl_slo:g} s")
     print(f"{'':<10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'in SLO':>7} {'goodput':>8}")
     print(row("measured", measured))
-    if predicted is not None:
+    if predicted is not None and shared is not None:
         print(row("simulated", predicted))
-        err = (predicted.goodput - measured.goodput) / measured.goodput if measured.goodput else float("inf")
-        print(f"goodput prediction error: {err:+.1%}")
+        print(row("sim shared", shared))
+        for name, o in (("simulated", predicted), ("sim shared", shared)):
+            err = (o.goodput - measured.goodput) / measured.goodput if measured.goodput else float("inf")
+            print(f"goodput prediction error ({name}): {err:+.1%}")
     errors = sorted({r.error for r in results if r.error})[:3]
     if errors:
         print("errors:", "; ".join(errors))
@@ -124,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         record = {"split": str(split), "workload": wl.description, "rate": a.rate, "duration_s": a.duration,
                   "requests": len(results), "failed": failed, "slo": {"ttft_s": a.ttft_slo, "itl_s": a.itl_slo},
                   "measured": outcome_dict(measured), "predicted": outcome_dict(predicted) if predicted else None,
+                  "predicted_shared_cores": outcome_dict(shared) if shared else None,
                   "machine": machine_info(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                   "profile": a.profile}
         Path(a.out).write_text(json.dumps(record, indent=1) + "\n")

@@ -12,7 +12,7 @@ shared TANDEM_LINK_SECRET. The test process is the client, on the bridge's own a
   with an id already in use, are refused and logged with a message naming them; serving goes on.
 
 `tandem launch` over ssh against the same kind of hosts is tests/test_multihost_launch.py. The last
-results are in docs/MULTIHOST.md.
+results are in docs/DEPLOYMENT.md ("Multi-host").
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ MAX_TOKENS = 48
 STEP_DELAY = 0.05  # seconds per decode step: streams last ~2.5 s, long enough to cut a cable under them
 PROMPTS = [[random.Random(i).randrange(3, 512) for _ in range(40 + 7 * i)] for i in range(4)]
 AFTER = [[random.Random(100 + i).randrange(3, 512) for _ in range(50 + 5 * i)] for i in range(4)]
-RESULTS: dict[str, object] = {}  # numbers for docs/MULTIHOST.md, printed at the end (pytest -s)
+RESULTS: dict[str, object] = {}  # numbers for docs/DEPLOYMENT.md, printed at the end (pytest -s)
 
 
 @pytest.fixture(scope="module")

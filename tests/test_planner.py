@@ -83,6 +83,22 @@ def test_colocated_prefill_chunk_rides_in_a_decode_step():
     assert res.itl_s[1] == pytest.approx(0.01)
 
 
+def test_workers_sharing_a_core_stretch_each_others_steps():
+    """Two colocated workers pinned to one core (tandem up with more workers than cores): a step that
+    starts while both are busy takes twice its profiled time; on cores of their own, nothing changes."""
+    wl = Workload([0.0, 0.0], [100, 100], [5, 5], "test")
+    alone = Simulator(CostModel(make_profile()), 0, 2, True).run(wl)
+    assert alone.ttft_s == pytest.approx([0.011, 0.011]) and alone.itl_s == pytest.approx([0.01, 0.01])
+    own = Simulator(CostModel(make_profile()), 0, 2, True, core_of=[0, 1]).run(wl)
+    assert own.ttft_s == alone.ttft_s and own.itl_s == alone.itl_s
+    shared = Simulator(CostModel(make_profile()), 0, 2, True, core_of=[0, 0]).run(wl)
+    # worker 0's prefill started alone (11 ms); worker 1's started beside it (22 ms); every decode step
+    # after that runs beside the other worker's: 20 ms
+    assert shared.ttft_s == pytest.approx([0.011, 0.022]) and shared.itl_s == pytest.approx([0.02, 0.02])
+    with pytest.raises(ValueError, match="core_of names 1 workers"):
+        Simulator(CostModel(make_profile()), 0, 2, True, core_of=[0])
+
+
 def test_transfer_overlaps_all_but_the_last_layer():
     prof = make_profile(xfer_per_byte=1e-7)  # 100 tokens x 1000 B = 1e5 B: 10 ms
     res = run(prof, [(0.0, 100, 2)])

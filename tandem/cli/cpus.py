@@ -136,6 +136,14 @@ def plan(names: list[str], cores: list[int], per_worker: int | None = None) -> d
     return dict(zip(names, slices(cores, len(names))))
 
 
+def assign(names: list[str], budget: list[int], per_worker: int | None = None) -> tuple[dict[str, list[int]], bool]:
+    """`tandem up`'s plan: with a core to spare (and no --cpus-per-worker), the workers leave the last one
+    to the router, its clients and the OS: a worker whose OpenMP team shares a core with them waits in
+    barriers whenever they run. Returns the plan and whether a core was spared."""
+    spare = per_worker is None and len(budget) > len(names)
+    return plan(names, budget[:-1] if spare else budget, per_worker), spare
+
+
 def describe(assignment: dict[str, list[int]]) -> str:
     return ", ".join(f"{name} cpus {format_cpuset(c)} ({len(c)} thread{'s' * (len(c) != 1)})"
                      for name, c in assignment.items())

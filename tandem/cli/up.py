@@ -147,10 +147,7 @@ def build_commands(args: argparse.Namespace, model: str) -> tuple[list[str], lis
 def cpu_plan(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, list[int]], str]:
     """Each worker's cores out of the budget, and the line that tells the user."""
     budget = cpus.budget(os.environ)
-    # With a core to spare, the workers leave the last one to the router, its clients and the OS: a
-    # worker whose OpenMP team shares a core with them waits in barriers whenever they run.
-    spare = args.cpus_per_worker is None and len(budget) > len(names)
-    assignment = cpus.plan(names, budget[:-1] if spare else budget, args.cpus_per_worker)
+    assignment, spare = cpus.assign(names, budget, args.cpus_per_worker)
     source = "OMP_NUM_THREADS" if os.environ.get("OMP_NUM_THREADS") else "the affinity mask"
     rest = f"cpu {budget[-1]} left to the router and clients" if spare else "router unpinned"
     shared = " (more workers than cores: they share)" if len(names) > len(budget) else ""

@@ -72,8 +72,9 @@ def summarise(split: Split, res: SimResult, slo: Slo) -> Outcome:
                    percentile(itls, 99), met / n, rate * met / n, res.wall_s)
 
 
-def simulate(cost: CostModel, split: Split, wl: Workload, slo: Slo, local_prefill_threshold: int = 32) -> Outcome:
-    sim = Simulator(cost, split.prefill, split.decode, split.colocated, local_prefill_threshold)
+def simulate(cost: CostModel, split: Split, wl: Workload, slo: Slo, local_prefill_threshold: int = 32,
+             core_of: list[int] | None = None) -> Outcome:
+    sim = Simulator(cost, split.prefill, split.decode, split.colocated, local_prefill_threshold, core_of)
     return summarise(split, sim.run(wl), slo)
 
 

@@ -13,6 +13,9 @@ What it models, following the engine (docs/ARCHITECTURE.md, "One request, disagg
    prefill chunks fill the budget left by the decodes, and every running request gains one token; a
    step costs `CostModel.mixed_step(batch, mean context, prefill tokens)`.
 Colocated workers are D workers that prefill everything themselves.
+5. Optionally (`core_of`), workers that share a CPU core, as `tandem up` pins more workers than cores
+   round-robin: a step that starts while k workers of its core are busy takes k times its profiled time
+   (fixed at the step's start, so a core-mate waking mid-run is not seen: still a little optimistic).
 
 Speed: one event per worker step, never per token. A running request is a (finishing step, id) entry
 in its worker's heap and the batch's total context is kept as a running sum, so a step costs O(1)
@@ -57,7 +60,7 @@ class LeastLoaded:
 
 class Worker:
     __slots__ = ("kind", "idx", "waiting", "prefilling", "ready", "running", "batch", "ctx_sum", "k", "seats_used",
-                 "busy", "chunks", "end_seq", "macro_start", "macro_dt", "macro_m")
+                 "busy", "chunks", "end_seq", "macro_start", "macro_dt", "macro_m", "core")
 
     def __init__(self, kind: str, idx: int) -> None:
         self.kind, self.idx = kind, idx
@@ -76,6 +79,7 @@ class Worker:
         self.end_seq = 0
         self.macro_start = self.macro_dt = 0.0
         self.macro_m = 1
+        self.core = -1  # workers with the same core >= 0 share one CPU core (-1: its own hardware)
 
 
 @dataclass(slots=True)
@@ -92,7 +96,7 @@ class SimResult:
 
 class Simulator:
     def __init__(self, cost: CostModel, prefill_workers: int, decode_workers: int, colocated: bool = False,
-                 local_prefill_threshold: int = 32) -> None:
+                 local_prefill_threshold: int = 32, core_of: list[int] | None = None) -> None:
         if decode_workers < 1 or prefill_workers < 0 or (colocated and prefill_workers):
             raise ValueError(f"need >= 1 decode (or colocated) worker and no prefill worker when colocated, got "
                              f"{prefill_workers}P:{decode_workers}D{' colocated' if colocated else ''}")
@@ -103,6 +107,13 @@ class Simulator:
         self.threshold = 10**12 if colocated else local_prefill_threshold
         self.p = [Worker(PREFILL, i) for i in range(prefill_workers)]
         self.d = [Worker(COLOCATED if colocated else DECODE, i) for i in range(decode_workers)]
+        if core_of is not None:  # prefill workers first, then decode: tandem up's order
+            if len(core_of) != prefill_workers + decode_workers:
+                raise ValueError(f"core_of names {len(core_of)} workers, the split has "
+                                 f"{prefill_workers + decode_workers}")
+            for w, core in zip(self.p + self.d, core_of):
+                w.core = core
+        self.busy_on_core: dict[int, int] = {}
 
     def run(self, wl: Workload) -> SimResult:
         t_wall = time.perf_counter()
@@ -208,8 +219,12 @@ class Simulator:
             tokens += take
             budget -= take
         if not w.batch and not tokens:
+            if w.busy and w.core >= 0:
+                self.busy_on_core[w.core] -= 1
             w.busy = False
             return
+        if not w.busy and w.core >= 0:
+            self.busy_on_core[w.core] = self.busy_on_core.get(w.core, 0) + 1
         w.busy = True
         self.steps += 1
         ctx = w.ctx_sum / w.batch + w.k if w.batch else 0.0
@@ -220,6 +235,8 @@ class Simulator:
             # step; step time is (piecewise) linear in it, so the middle step's time is the mean.
             m = w.running[0][0] - w.k + 1
             w.macro_m, dt = m, cost.decode_step(w.batch, ctx + (m - 1) / 2)
+        if w.core >= 0:
+            dt *= self.busy_on_core[w.core]
         w.macro_start, w.macro_dt = t, dt
         w.end_seq = self._push(t + w.macro_m * dt, 1 if w.kind == PREFILL else 0, w.idx)
 
