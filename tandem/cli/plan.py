@@ -43,7 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="refuse the profile unless it was measured for this checkpoint")
     p.add_argument("--emit-kustomize", metavar="DIR", default=None,
                    help="write a kustomize overlay with the pick's replica counts into DIR")
-    p.add_argument("--kustomize-base", default="../base", help="the overlay's resources entry (default ../base)")
+    p.add_argument("--kustomize-base", default="../base",
+                   help="the overlay's resources entry, relative to DIR (default ../base); an absolute path is "
+                        "written relative to DIR, e.g. $PWD/deploy/k8s/overlays/gpu")
     p.set_defaults(func=run)
 
 
@@ -106,6 +108,8 @@ def emit_kustomize(directory: str, pick: Outcome, base: str) -> str:
     """A kustomize overlay: a strategic-merge patch setting the two Deployments' replicas. Colocated
     means no prefill workers: decode replicas N, prefill 0 (their pods must run `--kv-connector none`)."""
     os.makedirs(directory, exist_ok=True)
+    if os.path.isabs(base):  # kustomize refuses absolute resource paths ("cannot be absolute")
+        base = os.path.relpath(base, os.path.abspath(directory))
     prefill = 0 if pick.split.colocated else pick.split.prefill
     patch = "".join(f"---\napiVersion: apps/v1\nkind: Deployment\nmetadata:\n  name: {name}\nspec:\n  replicas: {n}\n"
                     for name, n in (("tandem-prefill", prefill), ("tandem-decode", pick.split.decode)))
