@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--extra", default="", help="more `tandem up` flags, one string")
+    p.add_argument("--window", type=float, default=0.0,
+                   help="also print goodput per window of this many seconds of arrivals (to watch --rebalance act)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
 
@@ -83,6 +85,22 @@ def measured_outcome(split: Split, results, wl: workloads.Workload, slo: Slo) ->
     itl = [r.itl_s if good else inf for r, good in zip(results, ok)]  # None: a one-token answer
     failed = ok.count(False)
     return summarise(split, SimResult(ttft, itl, wl.duration_s, 0.0, 0), slo), failed
+
+
+def windowed(results, wl: workloads.Workload, slo: Slo, window: float) -> list[dict]:
+    """Goodput per window of arrival time: requests that arrived in it and met both SLOs, per second."""
+    out: list[dict] = []
+    for r, t in zip(results, wl.arrival_s):
+        k = int(t // window)
+        while len(out) <= k:
+            out.append({"from_s": len(out) * window, "requests": 0, "met": 0})
+        out[k]["requests"] += 1
+        good = r.error is None and r.ttft_s is not None and r.ttft_s <= slo.ttft_s and (
+            r.itl_s is None or r.itl_s <= slo.itl_s)
+        out[k]["met"] += good
+    for w in out:
+        w["goodput"] = w["met"] / window
+    return out
 
 
 def row(name: str, o: Outcome) -> str:
@@ -138,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, o in (("simulated", predicted), ("sim shared", shared)):
             err = (o.goodput - measured.goodput) / measured.goodput if measured.goodput else float("inf")
             print(f"goodput prediction error ({name}): {err:+.1%}")
+    windows = windowed(results, wl, slo, a.window) if a.window > 0 else []
+    for w in windows:
+        print(f"  arrivals {w['from_s']:>5.0f}-{w['from_s'] + a.window:<5.0f} s: {w['met']:>4}/{w['requests']:<4} "
+              f"in SLO, goodput {w['goodput']:.3f}")
     errors = sorted({r.error for r in results if r.error})[:3]
     if errors:
         print("errors:", "; ".join(errors))
@@ -147,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                   "measured": outcome_dict(measured), "predicted": outcome_dict(predicted) if predicted else None,
                   "predicted_shared_cores": outcome_dict(shared) if shared else None,
                   "machine": machine_info(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "profile": a.profile}
+                  "profile": a.profile, "windows": windows}
         Path(a.out).write_text(json.dumps(record, indent=1) + "\n")
     return 0
 
