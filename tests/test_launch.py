@@ -1,7 +1,8 @@
 """`tandem launch` and the deploy/ files: the exact commands `--dry-run` prints for
 deploy/cluster.example.yaml, clear errors (exit 2) naming a bad key, an all-localhost cluster as
 real processes that serves a request and stops cleanly on SIGTERM, and docker-compose.yml's
-commands parsed as `tandem` invocations (plus `docker compose config` where compose is installed).
+commands parsed as `tandem` invocations (plus `docker compose config` / `docker-compose config` where
+installed).
 """
 
 from __future__ import annotations
@@ -175,10 +176,19 @@ def test_compose_commands_are_tandem_invocations():
     assert roles["router"] == "router" and roles["prefill"] == "prefill" and roles["decode"] == "decode"
     router = build_parser().parse_args(compose["services"]["router"]["command"])
     assert router.listen == "tcp://0.0.0.0:5557" and router.host == "0.0.0.0"
-    # `docker compose config` validates the file for real; only where the compose plugin exists.
+    assert "name" not in compose  # docker-compose 1.29 rejects a top-level `name:`
+    for service in ("router", "prefill", "decode"):
+        assert compose["services"][service]["restart"] and compose["services"][service]["healthcheck"]["test"]
+    # The compose tools validate the file for real where installed: compose v2 (the docker plugin) and
+    # v1 (docker-compose 1.29, Debian 12's). The file refuses to load without a link secret.
+    env = {**ENV, "TANDEM_LINK_SECRET": "0" * 64}
     docker = shutil.which("docker")
-    has_compose = docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0
-    if has_compose:
-        out = subprocess.run([docker, "compose", "-f", str(COMPOSE), "config", "--quiet"], capture_output=True,
-                             text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
+    tools = []
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        tools.append([docker, "compose"])
+    if shutil.which("docker-compose"):
+        tools.append([shutil.which("docker-compose")])
+    for tool in tools:
+        out = subprocess.run([*tool, "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True,
+                             timeout=60, env=env)
+        assert out.returncode == 0, (tool, out.stderr)
