@@ -100,3 +100,35 @@ def test_sigterm_drains_the_router(tmp_path, expected):
         assert router.popen.wait(30) == 0
     finally:
         stop_all(procs)
+
+
+def test_sigterm_stops_a_worker_that_is_pid_1_while_it_starts():
+    """A container's entrypoint is PID 1 of its pid namespace (Kubernetes runs tandem so), and the kernel
+    drops a signal PID 1 has no handler for: without one installed from the start, SIGTERM during
+    startup would be ignored until the grace period's SIGKILL."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--pid", "--fork", "true"]).returncode:
+        pytest.skip("needs unshare --pid (util-linux, root) to run a process as PID 1 of a namespace")
+    # no router answers at port 1: the worker stays in its startup (model load, then registration)
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-m", "tandem.cli",
+                             "prefill", "--router", "tcp://127.0.0.1:1", "--listen", "tcp://127.0.0.1:0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        child = None
+        while child is None and time.monotonic() < deadline:  # the namespace's PID 1, as we see it
+            out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+            child = int(out[0]) if out else None
+            time.sleep(0.05)
+        assert child is not None
+        time.sleep(1.0)
+        sent = time.monotonic()
+        subprocess.run(["kill", "-TERM", str(child)], check=True)
+        assert proc.wait(timeout=5) is not None, "SIGTERM to a starting worker as PID 1 was ignored"
+        assert time.monotonic() - sent < 5
+    finally:
+        proc.kill()
+        proc.wait()

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 # Subcommand modules, in the order `tandem --help` lists them.
 COMMANDS = ["generate", "chat", "up", "launch", "router", "prefill", "decode", "keys", "plugins", "profile", "plan"]
@@ -23,6 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # As a container's PID 1 (Kubernetes runs the entrypoint so), a signal with no handler is ignored:
+    # SIGTERM during a model load would wait out the whole grace period. Exit on it until a command
+    # installs its own (the workers' drain, the router's and `tandem up`'s shutdown).
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

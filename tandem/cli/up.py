@@ -11,10 +11,12 @@ What `tandem up` does:
    and its clients.
 4. Poll the router's /health until it sees all of them; print the endpoints, a curl example and one
    machine-readable `tandem-up-ready {json}` line.
-5. Supervise. A child that exits is reported by name with its last output lines; the others are
-   stopped and `tandem up` exits 1. It does not restart children: a worker that crashed will most
-   likely crash again, and restart policy belongs to whatever runs `tandem up` (systemd, compose).
-6. Ctrl-C / SIGTERM / SIGHUP: SIGTERM every child, wait, SIGKILL stragglers, exit 0.
+5. Supervise (tandem/cli/supervise.py). A worker that exits is reported by name with its last output
+   lines and restarted with backoff (1, 2, 4 ... 30 s) while the router serves with the others; it
+   registers again by itself. Only the router's death, or a worker dying MAX_RESTARTS times in a row
+   (each run shorter than HEALTHY_RUN_S), stops everything and exits 1.
+6. Ctrl-C / SIGTERM / SIGHUP: SIGTERM every child (each drains), wait up to STOP_GRACE_S, SIGKILL
+   stragglers, exit 0.
 
 No orphans, without prctl (so it works beyond Linux): children run in their own sessions (a Ctrl-C
 in the terminal reaches only `tandem up`, which stops them in order), and each one is *tethered*:
