@@ -95,6 +95,11 @@ def test_workers_sharing_a_core_stretch_each_others_steps():
     # worker 0's prefill started alone (11 ms); worker 1's started beside it (22 ms); every decode step
     # after that runs beside the other worker's: 20 ms
     assert shared.ttft_s == pytest.approx([0.011, 0.022]) and shared.itl_s == pytest.approx([0.02, 0.02])
+    # a core-mate going idle ends the other's run of steps at its next boundary: the rest run alone
+    wl = Workload([0.0, 0.0], [100, 100], [2, 11], "test")
+    shared = Simulator(CostModel(make_profile()), 0, 2, True, core_of=[0, 0]).run(wl)
+    # worker 1: first token at 0.022; one 20 ms step beside worker 0 (idle from 0.031), then nine alone
+    assert shared.ttft_s[1] == pytest.approx(0.022) and shared.itl_s[1] == pytest.approx((0.042 + 0.09 - 0.022) / 10)
     with pytest.raises(ValueError, match="core_of names 1 workers"):
         Simulator(CostModel(make_profile()), 0, 2, True, core_of=[0])
 

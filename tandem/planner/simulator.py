@@ -15,7 +15,10 @@ What it models, following the engine (docs/ARCHITECTURE.md, "One request, disagg
 Colocated workers are D workers that prefill everything themselves.
 5. Optionally (`core_of`), workers that share a CPU core, as `tandem up` pins more workers than cores
    round-robin: a step that starts while k workers of its core are busy takes k times its profiled time
-   (fixed at the step's start, so a core-mate waking mid-run is not seen: still a little optimistic).
+   (fixed at the step's start; a run of decode steps ends at its next step boundary when a core-mate
+   starts or stops working, so the next step is timed with the new count). Two workers time-slicing
+   one core lose more than that (caches, and the router and clients on the same cores): measured on
+   2 cores, docs/PLANNING.md.
 
 Speed: one event per worker step, never per token. A running request is a (finishing step, id) entry
 in its worker's heap and the batch's total context is kept as a running sum, so a step costs O(1)
@@ -114,6 +117,10 @@ class Simulator:
             for w, core in zip(self.p + self.d, core_of):
                 w.core = core
         self.busy_on_core: dict[int, int] = {}
+        self.mates: dict[int, list[Worker]] = {}
+        for w in self.p + self.d:
+            if w.core >= 0:
+                self.mates.setdefault(w.core, []).append(w)
 
     def run(self, wl: Workload) -> SimResult:
         t_wall = time.perf_counter()
@@ -168,11 +175,24 @@ class Simulator:
         first step boundary after t, where the engine would next look at its queues."""
         if not w.busy:
             self._start(w, t)
-        elif w.macro_m > 1:
+        else:
+            self._cut_run(w, t)
+
+    def _cut_run(self, w: Worker, t: float) -> None:
+        """Inside a run of decode steps, end the run at the first step boundary after t."""
+        if w.macro_m > 1:
             done = max(1, -int(-(t - w.macro_start) // w.macro_dt))  # steps finished by then (ceil)
             if done < w.macro_m:
                 w.macro_m = done
                 w.end_seq = self._push(w.macro_start + done * w.macro_dt, 0, w.idx)
+
+    def _core_changed(self, w: Worker, delta: int, t: float) -> None:
+        """w became busy (+1) or idle (-1) on its shared core: its core-mates' runs of decode steps end
+        at their next step boundary, where the next step is timed with the new count."""
+        self.busy_on_core[w.core] = self.busy_on_core.get(w.core, 0) + delta
+        for mate in self.mates[w.core]:
+            if mate is not w and mate.busy and mate.kind != PREFILL:
+                self._cut_run(mate, t)
 
     def _join(self, w: Worker, i: int, step: int) -> None:
         """Request i decodes from `step` on, holding prompt + 1 tokens then; it needs out - 1 more tokens."""
@@ -220,11 +240,12 @@ class Simulator:
             budget -= take
         if not w.batch and not tokens:
             if w.busy and w.core >= 0:
-                self.busy_on_core[w.core] -= 1
+                w.busy = False
+                self._core_changed(w, -1, t)
             w.busy = False
             return
         if not w.busy and w.core >= 0:
-            self.busy_on_core[w.core] = self.busy_on_core.get(w.core, 0) + 1
+            self._core_changed(w, +1, t)
         w.busy = True
         self.steps += 1
         ctx = w.ctx_sum / w.batch + w.k if w.batch else 0.0
