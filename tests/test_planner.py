@@ -83,23 +83,29 @@ def test_colocated_prefill_chunk_rides_in_a_decode_step():
     assert res.itl_s[1] == pytest.approx(0.01)
 
 
-def test_workers_sharing_a_core_stretch_each_others_steps():
-    """Two colocated workers pinned to one core (tandem up with more workers than cores): a step that
-    starts while both are busy takes twice its profiled time; on cores of their own, nothing changes."""
+def test_workers_sharing_a_core_share_its_speed():
+    """Two colocated workers pinned to one core (tandem up with more workers than cores): the core is
+    processor-shared, so while both are busy each runs at half speed; on cores of their own, nothing changes."""
     wl = Workload([0.0, 0.0], [100, 100], [5, 5], "test")
     alone = Simulator(CostModel(make_profile()), 0, 2, True).run(wl)
     assert alone.ttft_s == pytest.approx([0.011, 0.011]) and alone.itl_s == pytest.approx([0.01, 0.01])
     own = Simulator(CostModel(make_profile()), 0, 2, True, core_of=[0, 1]).run(wl)
     assert own.ttft_s == alone.ttft_s and own.itl_s == alone.itl_s
     shared = Simulator(CostModel(make_profile()), 0, 2, True, core_of=[0, 0]).run(wl)
-    # worker 0's prefill started alone (11 ms); worker 1's started beside it (22 ms); every decode step
-    # after that runs beside the other worker's: 20 ms
-    assert shared.ttft_s == pytest.approx([0.011, 0.022]) and shared.itl_s == pytest.approx([0.02, 0.02])
-    # a core-mate going idle ends the other's run of steps at its next boundary: the rest run alone
+    # both 11 ms prefills run side by side at half speed (22 ms), then every 10 ms decode step too
+    assert shared.ttft_s == pytest.approx([0.022, 0.022]) and shared.itl_s == pytest.approx([0.02, 0.02])
+    # worker 0 leaves after one shared step (at 0.042): worker 1's other nine steps run at full speed
     wl = Workload([0.0, 0.0], [100, 100], [2, 11], "test")
     shared = Simulator(CostModel(make_profile()), 0, 2, True, core_of=[0, 0]).run(wl)
-    # worker 1: first token at 0.022; one 20 ms step beside worker 0 (idle from 0.031), then nine alone
-    assert shared.ttft_s[1] == pytest.approx(0.022) and shared.itl_s[1] == pytest.approx((0.042 + 0.09 - 0.022) / 10)
+    assert shared.ttft_s == pytest.approx([0.022, 0.022])
+    assert shared.itl_s == pytest.approx([0.02, (0.042 + 0.09 - 0.022) / 10])
+    # a prefill worker re-timed mid-step: P's 11 ms prefill (from 0) shares the core with D's work
+    # from 5 ms on (D's own 6 ms prefill of a short prompt): P ends at 0.005 + 2 * 0.006 = 0.017
+    wl = Workload([0.0, 0.005], [100, 50], [1, 1], "test")
+    sim = Simulator(CostModel(make_profile()), 1, 1, False, local_prefill_threshold=80, core_of=[0, 0])
+    shared = sim.run(wl)
+    assert shared.ttft_s[1] == pytest.approx(0.012)  # D's 6 ms at half speed
+    assert shared.ttft_s[0] == pytest.approx(0.017)
     with pytest.raises(ValueError, match="core_of names 1 workers"):
         Simulator(CostModel(make_profile()), 0, 2, True, core_of=[0])
 

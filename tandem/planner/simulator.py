@@ -14,11 +14,10 @@ What it models, following the engine (docs/ARCHITECTURE.md, "One request, disagg
    step costs `CostModel.mixed_step(batch, mean context, prefill tokens)`.
 Colocated workers are D workers that prefill everything themselves.
 5. Optionally (`core_of`), workers that share a CPU core, as `tandem up` pins more workers than cores
-   round-robin: a step that starts while k workers of its core are busy takes k times its profiled time
-   (fixed at the step's start; a run of decode steps ends at its next step boundary when a core-mate
-   starts or stops working, so the next step is timed with the new count). Two workers time-slicing
-   one core lose more than that (caches, and the router and clients on the same cores): measured on
-   2 cores, docs/PLANNING.md.
+   round-robin: the core is processor-shared, so while k of its workers are busy each one's step
+   advances at 1/k of its profiled speed (re-timed whenever one starts or stops; such workers take one
+   step per event). Two workers time-slicing one core lose more than that in practice (caches, and
+   the router and clients on the same cores): measured on 2 cores in docs/PLANNING.md.
 
 Speed: one event per worker step, never per token. A running request is a (finishing step, id) entry
 in its worker's heap and the batch's total context is kept as a running sum, so a step costs O(1)
@@ -63,7 +62,7 @@ class LeastLoaded:
 
 class Worker:
     __slots__ = ("kind", "idx", "waiting", "prefilling", "ready", "running", "batch", "ctx_sum", "k", "seats_used",
-                 "busy", "chunks", "end_seq", "macro_start", "macro_dt", "macro_m", "core")
+                 "busy", "chunks", "end_seq", "macro_start", "macro_dt", "macro_m", "core", "left", "since")
 
     def __init__(self, kind: str, idx: int) -> None:
         self.kind, self.idx = kind, idx
@@ -83,6 +82,7 @@ class Worker:
         self.macro_start = self.macro_dt = 0.0
         self.macro_m = 1
         self.core = -1  # workers with the same core >= 0 share one CPU core (-1: its own hardware)
+        self.left = self.since = 0.0  # on a shared core: solo seconds left of this step, as of `since`
 
 
 @dataclass(slots=True)
@@ -156,7 +156,8 @@ class Simulator:
                 if seq == self.d[x].end_seq:  # else stale: the run of steps was cut short
                     self._end(self.d[x], t)
             elif kind == 1:
-                self._end(self.p[x], t)
+                if seq == self.p[x].end_seq:  # else stale: re-timed by a core-mate's change
+                    self._end(self.p[x], t)
             else:
                 dw = self.d[self.d_of[x]]
                 dw.ready.append(x)
@@ -187,12 +188,15 @@ class Simulator:
                 w.end_seq = self._push(w.macro_start + done * w.macro_dt, 0, w.idx)
 
     def _core_changed(self, w: Worker, delta: int, t: float) -> None:
-        """w became busy (+1) or idle (-1) on its shared core: its core-mates' runs of decode steps end
-        at their next step boundary, where the next step is timed with the new count."""
-        self.busy_on_core[w.core] = self.busy_on_core.get(w.core, 0) + delta
+        """w became busy (+1) or idle (-1) on its shared core: every busy core-mate's step so far ran at
+        1/old of its speed, and from now on runs at 1/new; re-time its end."""
+        old = self.busy_on_core.get(w.core, 0)
+        new = self.busy_on_core[w.core] = old + delta
         for mate in self.mates[w.core]:
-            if mate is not w and mate.busy and mate.kind != PREFILL:
-                self._cut_run(mate, t)
+            if mate is not w and mate.busy:
+                mate.left = max(0.0, mate.left - (t - mate.since) / old)
+                mate.since = t
+                mate.end_seq = self._push(t + mate.left * new, 1 if mate.kind == PREFILL else 0, mate.idx)
 
     def _join(self, w: Worker, i: int, step: int) -> None:
         """Request i decodes from `step` on, holding prompt + 1 tokens then; it needs out - 1 more tokens."""
@@ -249,17 +253,20 @@ class Simulator:
         w.busy = True
         self.steps += 1
         ctx = w.ctx_sum / w.batch + w.k if w.batch else 0.0
-        if tokens:  # a prefill chunk: one step at a time (seats free, and KV arrives, only at finishes/_wake)
+        if tokens or w.core >= 0:  # one step at a time: a prefill chunk (seats free, and KV arrives, only
+            # at finishes/_wake), or any step on a shared core (its speed changes with its core-mates')
             w.macro_m, dt = 1, cost.mixed_step(w.batch, ctx, tokens, attn)
         else:
             # Plain decode steps until the first request finishes: one event. The context grows by one a
             # step; step time is (piecewise) linear in it, so the middle step's time is the mean.
             m = w.running[0][0] - w.k + 1
             w.macro_m, dt = m, cost.decode_step(w.batch, ctx + (m - 1) / 2)
+        end = t + w.macro_m * dt
         if w.core >= 0:
-            dt *= self.busy_on_core[w.core]
+            w.left, w.since = dt, t
+            end = t + dt * self.busy_on_core[w.core]
         w.macro_start, w.macro_dt = t, dt
-        w.end_seq = self._push(t + w.macro_m * dt, 1 if w.kind == PREFILL else 0, w.idx)
+        w.end_seq = self._push(end, 1 if w.kind == PREFILL else 0, w.idx)
 
     def _end(self, w: Worker, t: float) -> None:
         k = w.k + w.macro_m - 1  # the last step this event ends
