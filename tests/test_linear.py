@@ -16,23 +16,40 @@ from tandem.layers import linear as lin
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+BIG = (512, lin.ONEDNN_MIN_NUMEL // 512)  # (in, out): just large enough for the oneDNN path
+
+
 @pytest.mark.parametrize("rows", [1, 3, 64])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_f_linear_fp32(rows, bias):
     torch.manual_seed(rows)
-    layer = lin.Linear(96, 200, bias=bias)
-    x = torch.randn(rows, 96)
+    layer = lin.Linear(*BIG, bias=bias)
+    x = torch.randn(rows, BIG[0])
     with torch.inference_mode():
         got = layer(x)
     want = F.linear(x, layer.weight, layer.bias)
-    assert got.shape == (rows, 200) and got.dtype == torch.float32
+    assert got.shape == (rows, BIG[1]) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(lin.backend() != "onednn", reason="oneDNN is not available in this torch build")
+def test_small_weights_take_f_linear_and_large_ones_onednn(monkeypatch):
+    """oneDNN's fixed cost per call loses to F.linear below ONEDNN_MIN_NUMEL weight elements."""
+    calls = []
+    real = lin._ONEDNN
+    monkeypatch.setattr(lin, "_ONEDNN", lambda *a: calls.append(a[1].shape) or real(*a))
+    x = torch.randn(2, BIG[0])
+    with torch.inference_mode():
+        lin.linear(x, torch.randn(BIG[1] - 1, BIG[0]))
+        assert calls == []
+        lin.linear(x, torch.randn(BIG[1], BIG[0]))
+    assert calls == [(BIG[1], BIG[0])]
 
 
 def test_bf16_and_non_contiguous_input():
     torch.manual_seed(0)
-    w = torch.randn(64, 32)
-    x = torch.randn(32, 5).t()  # a transposed view, as attention output reshapes can be
+    w = torch.randn(BIG[1], BIG[0]) / BIG[0] ** 0.5  # outputs of order 1: fp32 sums agree to ~1e-6
+    x = torch.randn(BIG[0], 5).t()  # a transposed view, as attention output reshapes can be
     torch.testing.assert_close(lin.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
     got = lin.linear(x.bfloat16(), w.bfloat16())
     assert got.dtype == torch.bfloat16

@@ -27,12 +27,15 @@ _mkldnn = getattr(torch.ops, "mkldnn", None)
 _ONEDNN = (getattr(_mkldnn, "_linear_pointwise", None)
            if _choice != "torch" and torch.backends.mkldnn.is_available() else None)
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+# Below this many weight elements oneDNN's fixed cost per call (~10-20 us here) outweighs its faster
+# kernel, and F.linear is quicker (docs/PERFORMANCE.md, "Small linears").
+ONEDNN_MIN_NUMEL = 1 << 19
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through oneDNN where it applies (CPU, fp32/bf16, no autograd)."""
     if (_ONEDNN is not None and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and x.dtype == weight.dtype
-            and not (weight.requires_grad and torch.is_grad_enabled())):
+            and weight.numel() >= ONEDNN_MIN_NUMEL and not (weight.requires_grad and torch.is_grad_enabled())):
         return _ONEDNN(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
