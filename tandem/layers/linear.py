@@ -5,7 +5,9 @@ even where AVX-512 exists, and its batch-1 sgemv runs on one thread: on the benc
 AVX-512) the 55M Llama's weights stream at ~18 GB/s through it, half of what one memcpy gets.
 oneDNN (`torch.ops.mkldnn._linear_pointwise`, what vLLM's CPU build also dispatches to) picks its
 kernel from the CPU's real ISA and threads the batch-1 case: 2.0-2.5x faster at every batch size
-measured here, from 1 token to 1024 (docs/PERFORMANCE.md, "oneDNN linears").
+measured here, from 1 token to 1024 (docs/PERFORMANCE.md, "oneDNN linears"), for that model's weights.
+Small weights (under ONEDNN_MIN_NUMEL elements, e.g. the shipped 5.4M model's) stay on `F.linear`:
+there oneDNN's fixed cost per call is most of the call.
 
 The results differ from `F.linear` only by summation order (~1e-6 relative in fp32), as two BLAS
 builds would. `TANDEM_LINEAR=torch` switches back to `F.linear` (for A/B runs and as an escape
