@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.planner.profile import CostModel
-from tandem.planner.simulator import SimResult, Simulator, percentile
+from tandem.planner.simulator import SimResult, Simulator
 from tandem.planner.workload import Workload
 
 FULL_SEARCH_MAX = 64  # past this many workers, search splits coarse-to-fine instead of all of them
@@ -60,6 +60,15 @@ class Slo:
                 raise ValueError(f"{name} must be > 0 seconds, got {v}")
         if not 0 < self.attainment <= 1:
             raise ValueError(f"--attainment must be in (0, 1], got {self.attainment}")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of a non-empty list."""
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def summarise(split: Split, res: SimResult, slo: Slo) -> Outcome:

@@ -13,11 +13,9 @@ What it models, following the engine (docs/ARCHITECTURE.md, "One request, disagg
    prefill chunks fill the budget left by the decodes, and every running request gains one token; a
    step costs `CostModel.mixed_step(batch, mean context, prefill tokens)`.
 Colocated workers are D workers that prefill everything themselves.
-5. Optionally (`core_of`), workers that share a CPU core, as `tandem up` pins more workers than cores
-   round-robin: the core is processor-shared, so while k of its workers are busy each one's step
-   advances at 1/k of its profiled speed (re-timed whenever one starts or stops; such workers take one
-   step per event). Two workers time-slicing one core lose more than that in practice (caches, and
-   the router and clients on the same cores): measured on 2 cores in docs/PLANNING.md.
+5. Optionally (`core_of`), workers sharing a CPU core (`tandem up` with more workers than cores) are
+   processor-shared: while k are busy each step advances at 1/k speed, re-timed whenever one starts
+   or stops (one step per event there). Real time-slicing loses more (docs/PLANNING.md).
 
 Speed: one event per worker step, never per token. A running request is a (finishing step, id) entry
 in its worker's heap and the batch's total context is kept as a running sum, so a step costs O(1)
@@ -305,11 +303,3 @@ class Simulator:
         layers = self.cost.num_layers
         return max(xfer / layers, xfer - prefill_s * (layers - 1) / layers)
 
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in [0, 100]) of a non-empty list."""
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
