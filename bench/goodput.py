@@ -14,7 +14,7 @@ and the router share its cores with the workers.
 
 Two predictions: "simulated" takes every worker to have its own hardware (what `tandem plan` assumes);
 "sim shared" also knows which workers `tandem up`'s cpu plan puts on one core (more workers than
-cores: round-robin), and stretches a step by the number of busy workers on its core.
+cores: round-robin) and shares each such core among its busy workers (tandem/planner/simulator.py).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", default=None, help="a `tandem profile` JSON: print the simulator's prediction too")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--extra", default="", help="more `tandem up` flags, one string")
+    p.add_argument("--extra", default="",
+                   help="more `tandem up` flags, one string (starting with --: write --extra=--rebalance)")
     p.add_argument("--window", type=float, default=0.0,
                    help="also print goodput per window of this many seconds of arrivals (to watch --rebalance act)")
     p.add_argument("--out", default=None, help="write the results as JSON here")

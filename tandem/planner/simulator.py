@@ -174,12 +174,7 @@ class Simulator:
         first step boundary after t, where the engine would next look at its queues."""
         if not w.busy:
             self._start(w, t)
-        else:
-            self._cut_run(w, t)
-
-    def _cut_run(self, w: Worker, t: float) -> None:
-        """Inside a run of decode steps, end the run at the first step boundary after t."""
-        if w.macro_m > 1:
+        elif w.macro_m > 1:
             done = max(1, -int(-(t - w.macro_start) // w.macro_dt))  # steps finished by then (ceil)
             if done < w.macro_m:
                 w.macro_m = done
@@ -241,10 +236,10 @@ class Simulator:
             tokens += take
             budget -= take
         if not w.batch and not tokens:
-            if w.busy and w.core >= 0:
+            if w.busy:
                 w.busy = False
-                self._core_changed(w, -1, t)
-            w.busy = False
+                if w.core >= 0:
+                    self._core_changed(w, -1, t)
             return
         if not w.busy and w.core >= 0:
             self._core_changed(w, +1, t)
