@@ -83,7 +83,13 @@ class DecodeKVConnector(KVConnector):
     def on_allocated(self, req: Request, num_computed: int) -> None:
         rid, peer = req.request_id, req.kv_peer
         assert peer is not None  # num_external_tokens said it comes from a peer
-        dest = req.block_ids[num_computed // self.block_size:]
+        # Under a sliding window the prompt's blocks before the first decode step's window were not
+        # allocated (NULL_BLOCK): P sends from the first block held, as if the rest were a prefix hit.
+        first = num_computed // self.block_size
+        while first < len(req.block_ids) and req.block_ids[first] < 0:
+            first += 1
+        num_computed = first * self.block_size
+        dest = req.block_ids[first:]
         self.receiver.expect(rid, dest, timeout_s=self.timeout_s)
         self.transfers[rid] = _Transfer(peer)
         self.stats.remote_prefills += 1

@@ -215,3 +215,13 @@ def scale_args(kv_cache: torch.Tensor, kv_scale: torch.Tensor | None) -> tuple:
     if kv_scale is None:
         return (kv_cache, 0, 0, 0, 0)
     return (kv_scale, *kv_scale.stride())
+
+
+NO_WINDOW = 1 << 30  # a window no context reaches: full causal attention, with no branch in the kernels
+
+
+def window_arg(window: int | None) -> int:
+    """The kernels' `window` argument: a query at position p sees keys in (p - window, p]."""
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    return NO_WINDOW if window is None else int(window)

@@ -27,6 +27,7 @@ from kernels.triton_common import (
     online_softmax_step,
     scale_args,
     sm_count,
+    window_arg,
 )
 
 BLOCK_N = 64  # keys per tile: 16 KB of bf16 K at head_dim 128, several cache blocks per tile
@@ -36,7 +37,7 @@ MIN_PARTITION = 256  # tokens; shorter splits spend more on the merge than they 
 @triton.jit
 def _decode_kernel(
     q_ptr, cache_ptr, scale_ptr, bt_ptr, lens_ptr, out_ptr, pacc_ptr, pml_ptr,
-    qk_scale_log2, block_size, partition,
+    qk_scale_log2, block_size, partition, window,
     stride_qb, stride_qq, stride_qh, stride_qd,
     stride_cb, stride_ckv, stride_cs, stride_ch, stride_cd,
     stride_sb, stride_skv, stride_ss, stride_sh,
@@ -57,7 +58,7 @@ def _decode_kernel(
     rmask = rows < Q * G
     qi = rows // G
     head = kvh * G + rows % G
-    pos = seq_len - Q + qi  # absolute position of each row's query token; it sees keys <= pos
+    pos = seq_len - Q + qi  # absolute position of each row's query token; it sees keys in (pos - window, pos]
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < HEAD_DIM
 
@@ -72,6 +73,9 @@ def _decode_kernel(
 
     start = split * partition
     end = tl.minimum(start + partition, seq_len)
+    # Keys before the first query's window are never read (under a sliding window their blocks may
+    # be freed); a split wholly before it loops zero times and leaves m = -inf, which the merge drops.
+    start = tl.maximum(start, seq_len - Q - window + 1)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     for t0 in range(start, end, BLOCK_N):
         toks = t0 + tl.arange(0, BLOCK_N)
@@ -82,7 +86,7 @@ def _decode_kernel(
         v = load_paged_tile(cache_ptr, scale_ptr, bt_row, toks, tmask, offs_d, dmask, kvh, 1,
                             block_size, stride_btm, stride_cb, stride_ckv, stride_cs, stride_ch, stride_cd,
                             stride_sb, stride_skv, stride_ss, stride_sh, QUANT)
-        visible = tmask[None, :] & (toks[None, :] <= pos[:, None])
+        visible = tmask[None, :] & (toks[None, :] <= pos[:, None]) & (toks[None, :] > pos[:, None] - window)
         m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE)
 
     if DIRECT:
@@ -164,6 +168,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     kv_scale: torch.Tensor | None = None,
+    window: int | None = None,
     *,
     partition_tokens: int | None = None,
 ) -> torch.Tensor:
@@ -201,7 +206,7 @@ def paged_decode_attention(
     scale_t, *scale_strides = scale_args(kv_cache, kv_scale)
     _decode_kernel[(b, kv_heads, num_splits)](
         query, kv_cache, scale_t, block_tables, seq_lens, out, pacc, pml,
-        float(scale) * LOG2E, block_size, partition,
+        float(scale) * LOG2E, block_size, partition, window_arg(window),
         *query.stride(), *kv_cache.stride(), *scale_strides,
         *block_tables.stride(), *out.stride(),
         num_splits, h,

@@ -4,10 +4,12 @@ Owns `prefill_attention` (same contract as `kernels.reference.prefill_attention`
 handles (query tile of BLOCK_M new tokens, sequence, query head) in two phases that feed one
 online softmax:
   1. the cached prefix, positions [0, prefix), read from the paged cache and dequantized on load;
-     every new token sees the whole prefix, so no causal mask, only a length mask;
+     every new token sees the whole prefix (within its sliding window, if any), so no causal mask;
   2. the new tokens themselves, read from the packed key/value tensors (not from the cache: the
      reference uses them unquantized too), causally masked and stopped at the tile's last row.
-Sequence boundaries come from query_start_loc, so no padding is ever computed on.
+Sequence boundaries come from query_start_loc, so no padding is ever computed on. Under a sliding
+window a query at position p sees keys in (p - window, p]; each phase starts at the first key the
+tile's first row can see, so a long prompt costs O(tokens x window).
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from kernels.triton_common import (
     on_gpu,
     online_softmax_step,
     scale_args,
+    window_arg,
 )
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, scale_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr,
-    qk_scale_log2, block_size,
+    qk_scale_log2, block_size, window,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
@@ -67,9 +70,9 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-        # Phase 1: the cached prefix.
+        # Phase 1: the cached prefix, from the first key the tile's first row's window reaches.
         bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
-        for t0 in range(0, prefix, BLOCK_N):
+        for t0 in range(tl.maximum(prefix + m0 - window + 1, 0), prefix, BLOCK_N):
             toks = t0 + tl.arange(0, BLOCK_N)
             tmask = toks < prefix
             k = load_paged_tile(cache_ptr, scale_ptr, bt_row, toks, tmask, offs_d, dmask, kvh, 0,
@@ -78,12 +81,12 @@ def _prefill_kernel(
             v = load_paged_tile(cache_ptr, scale_ptr, bt_row, toks, tmask, offs_d, dmask, kvh, 1,
                                 block_size, stride_btm, stride_cb, stride_ckv, stride_cs, stride_ch, stride_cd,
                                 stride_sb, stride_skv, stride_ss, stride_sh, QUANT)
-            visible = tmask[None, :] & rmask[:, None]
+            visible = tmask[None, :] & rmask[:, None] & (toks[None, :] > prefix + rows[:, None] - window)
             m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE)
 
         # Phase 2: the new tokens, causal. Keys past this tile's last row are invisible to all of it.
         kv_end = tl.minimum(q_len, m0 + BLOCK_M)
-        for j0 in range(0, kv_end, BLOCK_N):
+        for j0 in range(tl.maximum(m0 - window + 1, 0), kv_end, BLOCK_N):
             cols = j0 + tl.arange(0, BLOCK_N)
             cmask = cols < kv_end
             ctok = (q_start + cols).to(tl.int64)
@@ -92,7 +95,7 @@ def _prefill_kernel(
                         mask=kv_mask, other=0.0).to(tl.float32)
             v = tl.load(v_ptr + ctok[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :] * stride_vd,
                         mask=kv_mask, other=0.0).to(tl.float32)
-            visible = cmask[None, :] & (cols[None, :] <= rows[:, None])
+            visible = cmask[None, :] & (cols[None, :] <= rows[:, None]) & (cols[None, :] > rows[:, None] - window)
             m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale_log2, DOT_DTYPE)
 
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -122,6 +125,7 @@ def prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     kv_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `kernels.reference.prefill_attention`; returns a contiguous [T, H, D].
 
@@ -156,7 +160,7 @@ def prefill_attention(
     grid = (triton.cdiv(max_q_len, block_m), num_seqs, num_heads)
     _prefill_kernel[grid](
         query, key, value, kv_cache, scale_t, block_tables, query_start_loc, seq_lens, out,
-        float(scale) * LOG2E, kv_cache.shape[2],
+        float(scale) * LOG2E, kv_cache.shape[2], window_arg(window),
         *query.stride(), *key.stride(), *value.stride(), *kv_cache.stride(), *scale_strides,
         *block_tables.stride(), *out.stride(),
         G=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim),

@@ -100,9 +100,10 @@ def test_unsupported_architecture_and_features(model_path, tmp_path):
         LLM(yarn)
     window = _copy_checkpoint(model_path, str(tmp_path / "sw"), architectures=["MistralForCausalLM"],
                               sliding_window=128)
-    with pytest.raises(ValueError, match="sliding"):
-        LLM(window, max_model_len=256)
-    assert LLM(window, num_kv_blocks=16).engine.max_model_len == 128  # capped at the window
+    # sliding-window attention is implemented: the window no longer caps the context
+    assert LLM(window, max_model_len=256, num_kv_blocks=16).engine.max_model_len == 256
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLM(window, max_model_len=10**6)
 
 
 def test_missing_and_corrupt_weights(model_path, tmp_path):

@@ -26,7 +26,7 @@ import torch
 from kvtransfer.base import allocate_kv_caches
 from tandem.config import EngineConfig
 from tandem.engine import spec_decode
-from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.kv_cache_manager import KVCacheManager, release_window
 from tandem.engine.kv_connector import KVConnector
 from tandem.engine.kv_layout import KVAllocator, cache_layout
 from tandem.engine.model_runner import ModelRunner
@@ -58,16 +58,20 @@ class LLMEngine:
         self.kv_layout = cache_layout(config, model_cfg, self.runner.kv_quantizer)
         budget = int(config.kv_cache_memory_gb * 2**30)
         num_blocks = config.num_kv_blocks or budget // self.kv_layout.bytes_per_block
-        if num_blocks * config.block_size < self.max_model_len:
+        window = release_window(model_cfg, config.role)
+        one_sequence = self.max_model_len
+        if window is not None and config.enable_chunked_prefill:  # holds a window and a chunk at most
+            one_sequence = min(one_sequence, window + config.max_num_batched_tokens + 2 * config.block_size)
+        if num_blocks * config.block_size < one_sequence:
             raise ValueError(f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one "
-                             f"max_model_len={self.max_model_len} sequence; raise kv_cache_memory_gb / "
-                             f"num_kv_blocks or lower max_model_len")
+                             f"sequence of {one_sequence} tokens (max_model_len={self.max_model_len}); raise "
+                             "kv_cache_memory_gb / num_kv_blocks or lower max_model_len")
         self.num_kv_blocks = num_blocks
         # Allocated once, here, where the transport wants it (shm) or in plain memory.
         allocate = kv_allocator or allocate_kv_caches
         self.runner.kv_caches, self.runner.kv_scales = allocate(self.kv_layout, num_blocks, config.torch_device)
         self.kv = KVCacheManager(num_blocks, config.block_size, resolve_eviction(config.eviction, num_blocks),
-                                 config.enable_prefix_caching)
+                                 config.enable_prefix_caching, window)
         batched = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             # An unchunked prompt must fit one step *beside* a full batch of decodes (each up to

@@ -141,7 +141,7 @@ class ModelRunner:
 
     def _block_table(self, group: list[ScheduledRequest]) -> torch.Tensor:
         width = max(len(s.request.block_ids) for s in group)
-        table = [s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in group]
+        table = [_held(s.request.block_ids) + [0] * (width - len(s.request.block_ids)) for s in group]
         return torch.tensor(table, dtype=torch.int32, device=self.device)
 
     def _seq_lens(self, group: list[ScheduledRequest]) -> torch.Tensor:
@@ -185,6 +185,15 @@ class ModelRunner:
                 row[int(token_ids[start + 1 + i])] = lp
                 rows.append(row)
         return rows
+
+
+def _held(block_ids: list[int]) -> list[int]:
+    """A request's blocks for the kernels' table: positions released behind a sliding window
+    (NULL_BLOCK, a leading run) point at block 0, which the window masks out (the kernels never read
+    them; the reference decode op may gather and mask them when it pads a bucket)."""
+    if block_ids and block_ids[0] < 0:
+        return [max(b, 0) for b in block_ids]
+    return block_ids
 
 
 def _decode_group(scheduled: list[ScheduledRequest]) -> tuple[int, list[ScheduledRequest]]:

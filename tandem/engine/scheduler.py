@@ -90,6 +90,12 @@ class Scheduler:
         """The transfer failed: the request computes the rest itself (it keeps its seat, its blocks
         and its cached prefix; blocks past the prefix are simply recomputed)."""
         req = self.remote.pop(request_id)
+        if self.kv.first_held_block(req, req.num_computed_tokens // self.kv.block_size) > \
+                req.num_computed_tokens // self.kv.block_size:
+            # Under a sliding window it holds only the window's blocks of a prompt it must now
+            # compute: it starts over (as after a preemption, which also computes locally).
+            self._preempt(req)
+            return req
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         return req
@@ -136,7 +142,7 @@ class Scheduler:
             # Asked once: a preempted request recomputes here rather than fetch its KV again.
             external = self.connector.num_external_tokens(req, n_cached) if req.num_preemptions == 0 else 0
             if external > 0:  # blocks for the whole prompt now; no budget: nothing is computed here
-                if not self.kv.allocate(req, remaining, cached):
+                if not self.kv.allocate(req, remaining, cached, computed_elsewhere=True):
                     break
                 self.waiting.popleft()
                 req.num_computed_tokens = req.num_cached_tokens = n_cached

@@ -3,7 +3,9 @@
 A step's tokens are packed as [decode group | prefill group]. The decode group is the first
 `num_decode_seqs` sequences, each with exactly `decode_query_len` new tokens (1, or k+1 when verifying
 speculated tokens); they attend purely from the cache. Everything after is variable-length prefill
-(new prompts, chunks, recomputation) over cached prefix + itself.
+(new prompts, chunks, recomputation) over cached prefix + itself. A layer with a sliding window
+(Mistral; Qwen2/Qwen3 layers marked "sliding_attention") passes it to both kernels: a query at
+position p sees keys in (p - window, p].
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Attention(nn.Module):
     def __init__(self, cfg, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.window = cfg.layer_windows[layer_idx]  # sliding-window attention: keys within the last `window`
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -81,17 +84,19 @@ class Attention(nn.Module):
             out = self._decode(q, ops, cache, scales, meta)
         elif nd == 0:
             out = ops.prefill_attention(q, k, v, cache, meta.prefill_block_tables, meta.prefill_query_start_loc,
-                                        meta.prefill_seq_lens, self.scale, scales)
+                                        meta.prefill_seq_lens, self.scale, scales, window=self.window)
         else:
             out = torch.cat([
                 self._decode(q[:nd], ops, cache, scales, meta),
                 ops.prefill_attention(q[nd:], k[nd:], v[nd:], cache, meta.prefill_block_tables,
-                                      meta.prefill_query_start_loc, meta.prefill_seq_lens, self.scale, scales),
+                                      meta.prefill_query_start_loc, meta.prefill_seq_lens, self.scale, scales,
+                                      window=self.window),
             ])
         return self.o_proj(out.reshape(t, self.q_size))
 
     def _decode(self, q, ops, cache, scales, meta: AttentionMetadata) -> torch.Tensor:
         b, ql = meta.num_decode_seqs, meta.decode_query_len
         out = ops.paged_decode_attention(q.reshape(b, ql, self.num_heads, self.head_dim), cache,
-                                         meta.decode_block_tables, meta.decode_seq_lens, self.scale, scales)
+                                         meta.decode_block_tables, meta.decode_seq_lens, self.scale, scales,
+                                         window=self.window)
         return out.reshape(b * ql, self.num_heads, self.head_dim)

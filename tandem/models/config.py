@@ -33,7 +33,8 @@ class ModelConfig:
     o_proj_bias: bool  # Llama/Qwen3 `attention_bias` covers o_proj too; Qwen2 biases only q/k/v
     qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
     mlp_bias: bool
-    sliding_window: int | None
+    sliding_window: int | None  # the window of the layers that slide (None: no layer does)
+    layer_windows: list[int | None]  # per layer: its attention window, None = full attention
     bos_token_id: int | None
     eos_token_ids: list[int]
 
@@ -62,7 +63,7 @@ class ModelConfig:
         hidden = raw["hidden_size"]
         head_dim = raw.get("head_dim") or hidden // heads
         rope_theta, rope_scaling = _rope(raw)
-        sliding = _sliding_window(raw, arch)
+        layer_windows = _layer_windows(raw, arch)
         eos = raw.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
@@ -83,23 +84,25 @@ class ModelConfig:
             o_proj_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            sliding_window=sliding,
+            sliding_window=next((w for w in layer_windows if w), None),
+            layer_windows=layer_windows,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+    @property
+    def every_layer_slides(self) -> bool:
+        """Every layer attends within the same window: blocks that leave it are never read again."""
+        return bool(self.layer_windows) and all(w == self.sliding_window for w in self.layer_windows) \
+            and self.sliding_window is not None
 
     def resolve_max_model_len(self, requested: int | None, default_cap: int) -> int:
         """The context length to serve: `requested`, or the model's limit capped at `default_cap`;
         a request beyond what the model supports is a ValueError."""
         limit = self.max_position_embeddings
-        if self.sliding_window:
-            limit = min(limit, self.sliding_window)  # beyond the window our full attention would differ
         if requested is None:
             return min(limit, default_cap)
         if requested > limit:
-            if self.sliding_window and limit == self.sliding_window:
-                raise ValueError(f"max_model_len={requested} exceeds the model's sliding_window ({limit}); "
-                                 "sliding-window attention is not implemented")
             raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings ({limit})")
         return requested
 
@@ -120,10 +123,25 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
     return theta, None
 
 
-def _sliding_window(raw: dict, arch: str) -> int | None:
-    """Sliding-window attention is not implemented; a window only changes the math for contexts longer
-    than it, so we accept the config and cap max_model_len at the window instead of refusing the model."""
-    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
-        return None
-    window = raw.get("sliding_window")
-    return int(window) if window else None
+def _layer_windows(raw: dict, arch: str) -> list[int | None]:
+    """Each layer's sliding window, the way transformers reads the config: Mistral slides in every
+    layer when `sliding_window` is set; Qwen2/Qwen3 only with `use_sliding_window`, in the layers
+    `layer_types` marks "sliding_attention" (by default those at or above `max_window_layers`);
+    Llama never slides."""
+    n = raw["num_hidden_layers"]
+    window = int(raw["sliding_window"]) if raw.get("sliding_window") else None
+    if arch == "LlamaForCausalLM" or window is None:
+        return [None] * n
+    if window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {window}")
+    if arch == "MistralForCausalLM":
+        return [window] * n
+    if not raw.get("use_sliding_window", False):
+        return [None] * n
+    types = raw.get("layer_types")
+    if types is None:
+        first = raw.get("max_window_layers", 28)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
+    return [window if t == "sliding_attention" else None for t in types]
