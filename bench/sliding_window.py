@@ -7,7 +7,7 @@ ignore_eos) through the offline engine with the same `--num-kv-blocks`. Printed 
 requests running at once, the most blocks one request held, wall time and output tok/s, and the
 ratios (window / full). The model is small on purpose: the KV budget, not the GEMMs, is the subject.
 
-    python -m bench.sliding_window [--context 4096 --window 512 --output 64 --requests 24 --num-kv-blocks 1024]
+    python -m bench.sliding_window [--context 4096 --window 512 --output 128 --requests 24 --num-kv-blocks 1024]
 """
 
 from __future__ import annotations
@@ -70,11 +70,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--output", type=int, default=64)
+    ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--num-kv-blocks", type=int, default=1024, help="the fixed KV budget (16-token blocks)")
     ap.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: repeatable on a shared machine)")
     args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(args.context - args.output)] for _ in range(args.requests)]
     results = {}
