@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -32,7 +32,8 @@ from tandem.protocol import generation_pb2_grpc as pb_grpc
 from tandem.sampling_params import SamplingParams
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-_OPTIONAL_SCALARS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs")
+_OPTIONAL_SCALARS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs",
+                     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs")
 
 
 def sampling_from_proto(msg: pb.SamplingParams, defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -41,6 +42,8 @@ def sampling_from_proto(msg: pb.SamplingParams, defaults: dict[str, Any] | None 
                           **{name: getattr(msg, name) for name in _OPTIONAL_SCALARS if msg.HasField(name)}}
     kw["stop"] = list(msg.stop)
     kw["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.logit_bias:
+        kw["logit_bias"] = dict(msg.logit_bias)
     if msg.HasField("structured_outputs"):
         try:
             kw["structured_outputs"] = json.loads(msg.structured_outputs)
@@ -65,14 +68,22 @@ def prompt_from_proto(request: pb.GenerateRequest, model: ServedModel) -> list[i
     raise BadRequest("the request has no prompt: set one of text, token_ids, chat", param="prompt")
 
 
-def response_from_chunk(rid: str, chunk: Chunk, totals: list[int]) -> pb.GenerateResponse:
+def _token_logprob(token_id: int, entry: Any) -> pb.TokenLogprob:
+    """One token's entry ({id: logprob} or [[id, logprob], ...]: the chosen token and the top n)."""
+    pairs = {int(k): float(v) for k, v in (entry.items() if isinstance(entry, dict) else entry)}
+    return pb.TokenLogprob(token_id=token_id, logprob=pairs.get(token_id, float("nan")),
+                           top=[pb.TopLogprob(token_id=i, logprob=v)
+                                for i, v in sorted(pairs.items(), key=lambda kv: -kv[1])])
+
+
+def response_from_chunk(rid: str, chunk: Chunk, totals: list[int], prompt_ids: Sequence[int] = ()
+                        ) -> pb.GenerateResponse:
     resp = pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text, finished=chunk.finished)
     if chunk.logprobs:
-        for token_id, entry in zip(chunk.token_ids, chunk.logprobs):
-            pairs = {int(k): float(v) for k, v in (entry.items() if isinstance(entry, dict) else entry)}
-            resp.logprobs.append(pb.TokenLogprob(
-                token_id=token_id, logprob=pairs.get(token_id, float("nan")),
-                top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in sorted(pairs.items(), key=lambda kv: -kv[1])]))
+        resp.logprobs.extend(_token_logprob(t, entry) for t, entry in zip(chunk.token_ids, chunk.logprobs))
+    if chunk.prompt_logprobs:  # the first entry (the first prompt token) is None: nothing predicts it
+        resp.prompt_logprobs.extend(_token_logprob(t, entry) for t, entry in zip(prompt_ids, chunk.prompt_logprobs)
+                                    if entry is not None)
     if chunk.finished:
         resp.finish_reason = chunk.finish_reason or ""
         resp.usage.prompt_tokens = chunk.num_prompt_tokens
@@ -111,7 +122,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             completion_tokens = [0]
             async for chunk in stream:
                 completion_tokens[0] += len(chunk.token_ids)
-                yield response_from_chunk(stream.request_id, chunk, completion_tokens)
+                yield response_from_chunk(stream.request_id, chunk, completion_tokens, ids)
         except RouterError as exc:
             ended_by = exc
             if isinstance(exc, Overloaded):

@@ -14,7 +14,17 @@ import time
 import urllib.request
 
 import pytest
-from service_procs import Proc, get_json, post, router_endpoints, start_router, stop_all, wait_workers, worker_stats
+from service_procs import (
+    Proc,
+    get_json,
+    grpc_stub,
+    post,
+    router_endpoints,
+    start_router,
+    stop_all,
+    wait_workers,
+    worker_stats,
+)
 from tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.slow  # real processes: deselected by -m 'not slow'
@@ -42,7 +52,8 @@ def served(tmp_path_factory):
         small = router_endpoints(procs[2])
         wait_workers(ep["http"], decode=1)
         wait_workers(small["http"], decode=1)
-        yield {"http": ep["http"], "small": small["http"], "llm": llm, "control": control, "router_log": router.log}
+        yield {"http": ep["http"], "grpc": ep["grpc"], "small": small["http"], "llm": llm, "control": control,
+               "router_log": router.log}
     finally:
         stop_all(procs)
 
@@ -184,6 +195,33 @@ def test_lm_eval_loglikelihood_echo_prompt_logprobs_equal_llm_score(served):
         for chosen, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
             assert 1 <= len(top) <= 2 and max(top.values()) >= chosen - 1e-6
         assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(prompt))]
+
+
+def test_grpc_takes_every_sampling_field_and_returns_prompt_logprobs(served):
+    """The gRPC SamplingParams carries the penalties, min_tokens, logit_bias and prompt_logprobs the
+    HTTP API has: greedy output equals the offline engine's under the same params (and differs from
+    plain greedy, so they took effect); prompt logprobs come on the first message and equal LLM.score."""
+    import grpc
+
+    from tandem import SamplingParams
+    from tandem.protocol import generation_pb2 as pb
+
+    llm = served["llm"]
+    ids = llm.tokenizer.encode("def f(x):\n    return x")
+    kw = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3, min_tokens=6, logit_bias={7: 8.0})
+    stub = grpc_stub(served["grpc"])
+    msgs = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+        max_tokens=8, temperature=0, prompt_logprobs=2, **kw)), timeout=60))
+    tokens = [t for m in msgs for t in m.token_ids]
+    assert tokens == llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, **kw))[0].token_ids
+    assert tokens != llm.generate([ids], SamplingParams(temperature=0, max_tokens=8))[0].token_ids
+    first = msgs[0].prompt_logprobs
+    assert [e.token_id for e in first] == ids[1:]
+    assert [e.logprob for e in first] == pytest.approx(llm.score(ids), abs=1e-4)
+    assert all(2 <= len(e.top) <= 3 for e in first) and not any(m.prompt_logprobs for m in msgs[1:])
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(pb.GenerateRequest(text="x", sampling=pb.SamplingParams(presence_penalty=5.0)), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "presence_penalty" in err.value.details()
 
 
 def test_echo_with_generated_tokens_puts_the_prompt_first(served):
