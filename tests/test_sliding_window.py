@@ -138,3 +138,16 @@ def test_disaggregated_ships_only_the_window(mistral, tmp_path):
         assert stats["kv_blocks_used"] == 0
     finally:
         stop_all([decode, prefill])
+
+
+def test_triton_kernels_in_the_engine(mistral, monkeypatch):
+    """The same engine path through the Triton kernels (interpreted on CPU): released blocks' table
+    entries are never read, and the windowed masks give transformers' tokens."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TANDEM_KERNELS", "triton")
+    prompts = _prompts(2, seed=8)
+    llm = LLM(mistral, num_kv_blocks=64, max_model_len=1024, max_num_batched_tokens=CHUNK)
+    assert llm.engine.runner.ops.name == "triton"
+    _watch_blocks(llm)
+    outs = llm.generate(prompts, greedy(24))
+    assert [o.token_ids for o in outs] == hf_greedy(mistral, prompts, 24)
