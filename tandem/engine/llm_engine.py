@@ -249,8 +249,10 @@ class LLMEngine:
         if self.speculator is not None:
             self._speculate()
         beam_rows = self.beams.schedule()  # beam groups' hypotheses, first: a group runs whole or not at all
-        out = self.scheduler.schedule(sum(s.num_new_tokens for s in beam_rows), len(beam_rows))
-        run = SchedulerOutput(beam_rows + out.scheduled, out.preempted, out.num_tokens) if beam_rows else out
+        beam_tokens = sum(s.num_new_tokens for s in beam_rows)
+        out = self.scheduler.schedule(beam_tokens, len(beam_rows))
+        run = out if not beam_rows else SchedulerOutput(beam_rows + out.scheduled, out.preempted,
+                                                        out.num_tokens + beam_tokens)
         self.current_schedule = run  # what the connector's save_layer pushes, layer by layer
         if run.empty:
             return outputs
