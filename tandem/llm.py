@@ -55,10 +55,11 @@ class LLM:
         reqs = [self.engine.make_beam_request(None, p, params) for p in prompts]  # all validated first
         for r in reqs:
             self.engine.enqueue(r)
+        ids = {r.request_id for r in reqs}
         final: dict[str, RequestOutput] = {}
         while len(final) < len(reqs):
             for out in self.engine.step():
-                if out.finished:
+                if out.finished and out.request_id in ids:
                     final[out.request_id] = out
         results = []
         for r in reqs:

@@ -118,10 +118,15 @@ def test_group_preempted_whole_gives_the_same_beams(ckpt, hf_model):
     """A pool too small for all groups at once: groups are preempted and recompute, output unchanged."""
     llm = LLM(ckpt, num_kv_blocks=24, max_model_len=128, block_size=8)
     prompts = prompts_of((21, 22, 23, 24), seed=11)
+    plain = [llm.engine.add_request(None, p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+             for p in prompts_of((40, 41), seed=12)]  # they hold blocks the groups need
     outs = llm.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS, early_stopping=True))
     assert llm.engine.beams.num_preemptions > 0, "the pool was meant to force preemption"
     for out, p in zip(outs, prompts):
         assert_same(out, hf_beams(hf_model, p, 4, 1.0, True, False), 1.0)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert not any(rid in llm.engine.scheduler.requests for rid in plain)
     llm.engine.check_invariants()
     assert llm.engine.kv.pool.num_used == 0
 
@@ -180,9 +185,28 @@ def test_engine_keeps_serving_after_bad_input(ckpt):
         llm.beam_search(PROMPTS, SamplingParams())
     with pytest.raises(ValueError):
         llm.beam_search([PROMPTS[0], [5] * 600], BeamSearchParams(beam_width=2, max_tokens=4))
+    with pytest.raises(ValueError, match="KV blocks"):  # 16 hypotheses x 505 tokens cannot fit 256 blocks
+        llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=16, max_tokens=500))
     assert not llm.engine.has_unfinished_requests()
     out = llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=2, max_tokens=4))
     assert len(out[0].sequences) == 2
+
+
+def test_abort_frees_the_group(ckpt):
+    llm = LLM(ckpt, num_kv_blocks=256, max_model_len=512)
+    engine = llm.engine
+    for rid in ("a", "b"):
+        engine.enqueue(engine.make_beam_request(rid, PROMPTS[2], BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS,
+                                                                                  ignore_eos=True)))
+    out_b = engine.abort_request("b")  # its root still waits in the scheduler
+    assert out_b is not None and out_b.finished and out_b.finish_reason == "abort"
+    for _ in range(4):
+        engine.step()
+    assert len(engine.beams.groups["a"].beams) == 4
+    out_a = engine.abort_request("a")  # mid-search: the group's hypotheses hold blocks
+    assert out_a is not None and out_a.finish_reason == "abort"
+    engine.check_invariants()
+    assert engine.kv.pool.num_used == 0 and not engine.has_unfinished_requests()
 
 
 # ---- served: router + decode worker (colocated) or + prefill worker (P/D) ----------------------------

@@ -58,17 +58,26 @@ class BeamGroups:
         self._ids = itertools.count()
         self.num_preemptions = 0
         self.num_forks = 0
+        self.starved = False
 
     def add(self, root: Request, search: BeamSearch) -> None:
         self.groups[root.request_id] = BeamGroup(root, search)
 
     # ---- before the step -------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledRequest]:
-        """Blocks for every live hypothesis of every decoding group (a group gets all or none)."""
+        """Blocks for every live hypothesis of every decoding group (a group gets all or none).
+        `starved` is set when a group is left without: the engine then admits no new request, so
+        the blocks that running requests free come to the group (as a preempted request goes back
+        to the head of the waiting queue)."""
         rows = []
+        self.starved = False
         for g in self.groups.values():
-            if g.beams and self._allocate(g):
+            if not g.beams:
+                continue
+            if self._allocate(g):
                 rows += [ScheduledRequest(r, r.num_tokens - r.num_computed_tokens) for r in g.beams]
+            else:
+                self.starved = True
         return rows
 
     def _allocate(self, g: BeamGroup) -> bool:

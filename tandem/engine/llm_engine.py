@@ -153,6 +153,12 @@ class LLMEngine:
             raise ValueError("beam search is not served by an engine with a speculator")
         req = self.make_request(request_id, prompt, SamplingParams(max_tokens=params.max_tokens, temperature=0.0,
                                                                    ignore_eos=params.ignore_eos))
+        # Worst case (no block shared): every hypothesis as long as the prompt plus max_tokens.
+        need = params.beam_width * self.kv.num_blocks_for(len(req.token_ids) + req.max_tokens)
+        if need > self.num_kv_blocks:
+            raise ValueError(f"beam search of width {params.beam_width} over {len(req.token_ids)} + {req.max_tokens} "
+                             f"tokens may need {need} KV blocks; the cache has {self.num_kv_blocks}: lower beam_width "
+                             "or max_tokens, or raise kv_cache_memory_gb / num_kv_blocks")
         req.beam = BeamSearch(params, self.eos_token_ids, req.max_tokens)
         return req
 
@@ -191,7 +197,8 @@ class LLMEngine:
             invariant_ok = True
         except AssertionError:
             invariant_ok = False
-        return {"running": len(sched.running), "waiting": len(sched.waiting), "waiting_for_kv": len(sched.remote),
+        return {"running": len(sched.running) + self.beams.num_computing(), "waiting": len(sched.waiting),
+                "waiting_for_kv": len(sched.remote),
                 "kv_blocks_total": kv.num_blocks, "kv_blocks_used": kv.used_blocks, "kv_usage": kv.usage,
                 "prefix_queried_tokens": kv.prefix_queried_tokens, "prefix_hit_tokens": kv.prefix_hit_tokens,
                 "preemptions": sched.num_preemptions, "kv_invariant_ok": invariant_ok}
@@ -250,7 +257,8 @@ class LLMEngine:
             self._speculate()
         beam_rows = self.beams.schedule()  # beam groups' hypotheses, first: a group runs whole or not at all
         beam_tokens = sum(s.num_new_tokens for s in beam_rows)
-        out = self.scheduler.schedule(beam_tokens, len(beam_rows))
+        seats = self.scheduler.max_num_seqs if self.beams.starved else len(beam_rows)
+        out = self.scheduler.schedule(beam_tokens, seats)
         run = out if not beam_rows else SchedulerOutput(beam_rows + out.scheduled, out.preempted,
                                                         out.num_tokens + beam_tokens)
         self.current_schedule = run  # what the connector's save_layer pushes, layer by layer
