@@ -105,11 +105,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, data: dict) -> "SamplingParams":
         """Build from a wire/JSON dict; unknown keys are an error naming the known ones."""
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**data)
+        return cls(**_known_fields(cls, data, "sampling"))
 
     def to_dict(self) -> dict:
         """A wire/JSON dict (logit_bias keys as strings: msgpack and JSON maps keep string keys)."""
@@ -158,14 +154,18 @@ class BeamSearchParams:
 
     @classmethod
     def from_dict(cls, data: dict) -> "BeamSearchParams":
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown beam search parameter(s) {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**data)
+        return cls(**_known_fields(cls, data, "beam search"))
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _known_fields(cls: type, data: dict, what: str) -> dict:
+    known = {f.name for f in fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"unknown {what} parameter(s) {sorted(unknown)}; known: {sorted(known)}")
+    return data
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
