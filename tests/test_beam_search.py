@@ -131,13 +131,15 @@ def test_group_preempted_whole_gives_the_same_beams(ckpt, hf_model):
     assert llm.engine.kv.pool.num_used == 0
 
 
-def test_invariant_every_step_and_copy_on_write(ckpt):
-    llm = LLM(ckpt, num_kv_blocks=256, max_model_len=512, block_size=8)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])  # int8: the per-token scales are copied too
+def test_invariant_every_step_and_copy_on_write(ckpt, kv_cache_dtype):
+    llm = LLM(ckpt, num_kv_blocks=256, max_model_len=512, block_size=8, kv_cache_dtype=kv_cache_dtype)
     engine = llm.engine
     for p in PROMPTS:
         engine.enqueue(engine.make_beam_request(None, p, BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS,
                                                                           ignore_eos=True)))
-    caches = engine.runner.kv_caches
+    caches = [*engine.runner.kv_caches, *(engine.runner.kv_scales or [])]
+    assert len(caches) == (4 if kv_cache_dtype == "int8" else 2)
     checked_forks = 0
     while engine.has_unfinished_requests():
         before = engine.beams.live_requests()  # references held: ids stay unique
@@ -162,7 +164,7 @@ def test_invariant_every_step_and_copy_on_write(ckpt):
                 assert torch.equal(cache[cb, :, :n], cache[pb, :, :n])
             saved = [cache[pb].clone() for cache in caches]
             for cache in caches:
-                cache[cb, :, n - 1] = 123.0
+                cache[cb, :, n - 1] = 123
             for cache, s in zip(caches, saved):
                 assert torch.equal(cache[pb], s), "writing the fork's tail changed its parent's K/V"
                 cache[cb, :, n - 1] = s[:, n - 1]  # restore, so the search continues unchanged
