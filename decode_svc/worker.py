@@ -31,7 +31,7 @@ from tandem.observability.trace import Traces
 from tandem.observability.worker_metrics import NO_METRICS
 from tandem.outputs import RequestOutput
 from tandem.protocol.channel import ControlServer, PeerClients
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import BeamSearchParams, SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -140,8 +140,10 @@ class DecodeWorker:
         try:
             if rid in self.clients:
                 raise ValueError(f"request id {rid!r} is already in use")
-            params = SamplingParams.from_dict(msg["sampling"])
-            req = self.engine.make_request(rid, msg["token_ids"], params)
+            if msg.get("beam") is not None:  # a beam search: its group expands here (tandem/engine/beam_group.py)
+                req = self.engine.make_beam_request(rid, msg["token_ids"], BeamSearchParams.from_dict(msg["beam"]))
+            else:
+                req = self.engine.make_request(rid, msg["token_ids"], SamplingParams.from_dict(msg["sampling"]))
         except (ValueError, TypeError) as exc:
             self.server.reply(identity, "error", id=rid, message=str(exc))
             return
@@ -180,6 +182,9 @@ class DecodeWorker:
             log.info("request finished", request_id=out.request_id, finish_reason=out.finish_reason,
                      prompt_tokens=len(out.prompt_token_ids), cached_tokens=out.num_cached_tokens,
                      output_tokens=len(out.outputs[0].token_ids))
+        if out.outputs[0].cumulative_logprob is not None:  # a beam search's hypotheses, best first
+            fields["beams"] = [{"token_ids": c.token_ids, "text": c.text, "cumulative_logprob": c.cumulative_logprob,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
         logprobs = out.outputs[0].logprobs
         if logprobs is not None and out.new_token_ids:
             # Per new token: [[token_id, logprob], ...] (msgpack maps here need string keys).

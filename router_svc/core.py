@@ -39,7 +39,7 @@ from router_svc import metrics
 from router_svc.errors import BadRequest, NoWorkers, Overloaded, RouterError, WorkerLost
 from router_svc.registry import Registry, Worker
 from tandem.engine.interfaces.routing import RouteRequest, RoutingPolicy, prefix_key
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import BeamSearchParams, SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -57,6 +57,7 @@ class Chunk:
     num_cached_tokens: int
     logprobs: Any = None
     prompt_logprobs: Any = None  # with the first chunk, when asked: per prompt token [[id, logprob], ...] or None
+    beams: Any = None  # a beam search's (last and only) chunk: its hypotheses, best first
 
 
 @dataclass(slots=True)
@@ -79,6 +80,7 @@ class Flight:
     done: bool = False
     started: float = field(default_factory=time.monotonic)
     stats: metrics.FlightStats = field(default_factory=metrics.FlightStats)
+    beam: dict[str, Any] | None = None  # BeamSearchParams.to_dict() of a beam search
 
 
 class Router:
@@ -100,7 +102,8 @@ class Router:
         self.flights: dict[str, Flight] = {}
 
     # ---- 1-3: admission and dispatch --------------------------------------------------------------
-    def submit(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> "Stream":
+    def submit(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               beam: BeamSearchParams | None = None) -> "Stream":
         if self.draining:
             raise NoWorkers("the server is shutting down; retry on another replica")
         if len(self.flights) >= self.max_inflight:
@@ -111,7 +114,8 @@ class Router:
             raise BadRequest(f"request_id {rid!r} is already in flight", param="request_id")
         route = RouteRequest(rid, token_ids, prefix_key(token_ids, self.block_size, self.affinity_blocks))
         flight = Flight(rid, list(token_ids), params.to_dict(), route, log.bind(request_id=rid),
-                        prompt_len=len(token_ids), max_tokens=params.max_tokens)
+                        prompt_len=len(token_ids), max_tokens=params.max_tokens,
+                        beam=beam.to_dict() if beam is not None else None)
         self._dispatch(flight, exclude=set())
         self.flights[rid] = flight
         metrics.IN_FLIGHT.set(len(self.flights))
@@ -128,7 +132,8 @@ class Router:
             p = cast(Worker, self.prefill_policy.choose(prefills, flight.route)) if prefills else None
             try:
                 self.send(d.address, "add_request", id=flight.rid, token_ids=flight.token_ids,
-                          sampling=flight.sampling, prefill_peer=p.address if p is not None else None)
+                          sampling=flight.sampling, prefill_peer=p.address if p is not None else None,
+                          beam=flight.beam)
             except ConnectionError as exc:
                 flight.log.warning("decode worker refused the request", worker_id=d.worker_id, error=str(exc))
                 exclude.add(d.worker_id)
@@ -169,7 +174,8 @@ class Router:
         flight.generated += msg["token_ids"]
         chunk = Chunk(msg["token_ids"], msg["text"], msg["finished"], msg["finish_reason"], msg.get("stop_reason"),
                       flight.prompt_len, msg["num_cached_tokens"], msg.get("logprobs"),
-                      msg.get("prompt_logprobs") if flight.tokens_out == len(msg["token_ids"]) else None)
+                      msg.get("prompt_logprobs") if flight.tokens_out == len(msg["token_ids"]) else None,
+                      msg.get("beams"))
         if chunk.finished:
             self._end(flight, chunk)
         else:

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 
 from router_svc.core import Chunk, Router, Stream
 from router_svc.errors import RouterError
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import BeamSearchParams, SamplingParams
 
 _DONE = object()
 
@@ -28,11 +28,13 @@ def choice_ids(rid: str, count: int) -> list[str]:
 
 
 def submit_all(router: Router, prompts: list[list[int]], params: list[SamplingParams], n: int,
-               rid: str) -> list[Stream]:
+               rid: str, beam: BeamSearchParams | None = None) -> list[Stream]:
+    """`beam`: one beam search per prompt (`params` has one entry per prompt), its n hypotheses in one answer."""
+    per_prompt = beam is not None
     streams: list[Stream] = []
     try:
         for i, (sub_id, p) in enumerate(zip(choice_ids(rid, len(params)), params)):
-            streams.append(router.submit(prompts[i // n], p, sub_id))
+            streams.append(router.submit(prompts[i] if per_prompt else prompts[i // n], p, sub_id, beam=beam))
     except BaseException:
         for s in streams:
             s.close()

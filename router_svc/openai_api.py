@@ -7,8 +7,9 @@ prompt (a string, token ids, or a batch of either: choices are prompt-major), st
 logprobs (+ top_logprobs for chat), stream, stream_options.include_usage,
 response_format / structured_outputs / guided_* (router_svc/structured_request.py);
 presence_penalty, frequency_penalty, logit_bias; tandem (vLLM) extras: top_k, min_p, ignore_eos, stop_token_ids,
-repetition_penalty, min_tokens. Parameters tandem does not implement are
-accepted only at their neutral value, otherwise a 400 that names them.
+repetition_penalty, min_tokens; use_beam_search with n as the beam width, length_penalty, early_stopping
+(router_svc/beam_request.py). Parameters tandem does not implement are accepted only at their neutral
+value, otherwise a 400 that names them.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from router_svc.beam_request import beam_from_body
 from router_svc.core import Chunk
 from router_svc.errors import BadRequest
 from router_svc.openai_models import validate_body
 from router_svc.prompts import ServedModel
 from router_svc.structured_request import structured_from_body
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import BeamSearchParams, SamplingParams
 
 SAMPLING_NAMES = frozenset(SamplingParams.__dataclass_fields__)
 # Parameter -> the values that mean "not used" (anything else is refused, not silently ignored).
@@ -50,6 +52,8 @@ class ParsedRequest:
     # completion's); with max_tokens 0 nothing is generated (one token is, and dropped)
     echo_texts: list[str] | None = None
     drop_output: bool = False
+    # use_beam_search: one request per prompt (params has one entry per prompt), answered with n hypotheses
+    beam: BeamSearchParams | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -69,6 +73,9 @@ def parse_completion(body: Any, model: ServedModel) -> ParsedRequest:
         max_tokens = body.get("max_tokens")
     for ids in prompts:
         _check_context(ids, max_tokens, model)
+    beam = beam_from_body(body, max_tokens, default_max=16)
+    if beam is not None:
+        return _beam_request(prompts, beam, chat=False)
     echo = body.get("echo") is True
     # echo with max_tokens 0 is how lm-eval asks for a prompt's loglikelihood: one token is generated
     # (the engine always generates one) and dropped
@@ -115,6 +122,9 @@ def parse_chat(body: Any, model: ServedModel) -> ParsedRequest:
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
     _check_context(ids, max_tokens, model)
+    beam = beam_from_body(body, max_tokens, default_max=model.max_model_len or 4096)
+    if beam is not None:
+        return _beam_request([ids], beam, chat=True)
     # OpenAI's chat default is "as long as the context allows": D caps max_tokens at its max_model_len.
     params = _sampling(body, max_tokens=max_tokens, default_max=model.max_model_len or 4096,
                        logprobs=(top or 0) if lp else None, defaults=model.sampling_defaults)
@@ -139,6 +149,14 @@ def _fan_out(body: dict, prompts: list[list[int]], params: SamplingParams, chat:
                   for i in range(n)]
     return ParsedRequest(prompts, [p for _ in prompts for p in per_prompt], n, _stream(body), _include_usage(body),
                          chat=chat)
+
+
+def _beam_request(prompts: list[list[int]], beam: BeamSearchParams, chat: bool) -> ParsedRequest:
+    if len(prompts) * beam.beam_width > MAX_CHOICES:
+        raise BadRequest(f"{len(prompts)} prompt(s) x n={beam.beam_width} is {len(prompts) * beam.beam_width} "
+                         f"completions; at most {MAX_CHOICES} per request", param="prompt")
+    root = SamplingParams(temperature=0.0, max_tokens=beam.max_tokens, ignore_eos=beam.ignore_eos)
+    return ParsedRequest(prompts, [root] * len(prompts), beam.beam_width, False, False, chat=chat, beam=beam)
 
 
 def _check_context(ids: list[int], max_tokens: Any, model: ServedModel) -> None:

@@ -49,6 +49,10 @@ class _Sampling(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    use_beam_search: bool | None = Field(None, description="beam search: n is the beam width (at most 16)")
+    length_penalty: float | None = Field(None, description="beam search: score = logprob sum / length ** this")
+    early_stopping: Union[bool, Literal["never"], None] = Field(
+        None, description="beam search: true stops once n hypotheses finished (transformers' meanings)")
 
 
 class CompletionRequest(_Sampling):

@@ -134,10 +134,12 @@ class OpenAIApp:
             except (ValueError, UnicodeDecodeError):
                 raise BadRequest("the request body is not valid JSON") from None
             parsed = (parse_chat if chat else parse_completion)(body, self.model)
-            choices = Choices(submit_all(self.router, parsed.prompts, parsed.params, parsed.n, rid))
+            choices = Choices(submit_all(self.router, parsed.prompts, parsed.params, parsed.n, rid, parsed.beam))
             for i, sub_id in enumerate(choice_ids(rid, len(choices.streams))):
-                metrics.request_admitted(sub_id, parsed.prompts[i // parsed.n], self.model)
-            if parsed.stream:
+                metrics.request_admitted(sub_id, parsed.prompts[i if parsed.beam else i // parsed.n], self.model)
+            if parsed.beam is not None:
+                await self._collect_beams(rid, choices, response, parsed)
+            elif parsed.stream:
                 await self._stream(rid, choices, response, parsed)
             else:
                 await self._collect(rid, choices, response, parsed)
@@ -178,6 +180,19 @@ class OpenAIApp:
                 offsets[i] += _text_length(lp)
         await response.json(200, final_response(rid, chat, self.model.name, totals,
                                                 [_merge_logprobs(parts, chat) for parts in logprobs], parsed.n))
+
+    async def _collect_beams(self, rid: str, choices: Choices, response: Response, parsed: ParsedRequest) -> None:
+        """use_beam_search: each prompt's one answer carries its n hypotheses, best first: its n choices."""
+        n = parsed.n
+        totals = [Totals() for _ in range(len(parsed.prompts) * n)]
+        async for i, chunk in choices:
+            for j, beam in enumerate((chunk.beams or [])[:n]):
+                t = totals[i * n + j]
+                t.text, t.completion_tokens = beam["text"], len(beam["token_ids"])
+                t.finish_reason, t.stop_reason = beam["finish_reason"], beam.get("stop_reason")
+            for t in totals[i * n:(i + 1) * n]:
+                t.prompt_tokens, t.cached_tokens = chunk.num_prompt_tokens, chunk.num_cached_tokens
+        await response.json(200, final_response(rid, parsed.chat, self.model.name, totals, [None] * len(totals), n))
 
     def _echo(self, parsed: ParsedRequest, i: int, chunk: Chunk, done: set[int]) -> tuple[str, Any] | None:
         """On a choice's first chunk under echo: its prompt's text, and the prompt's logprobs if asked."""

@@ -18,17 +18,18 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category
 if TYPE_CHECKING:
     from tandem.llm import LLM
     from tandem.outputs import CompletionOutput, RequestOutput
-    from tandem.sampling_params import SamplingParams
+    from tandem.sampling_params import BeamSearchParams, SamplingParams
 
 # Public name -> the submodule that defines it.
 _LAZY = {
     "LLM": "tandem.llm",
     "SamplingParams": "tandem.sampling_params",
+    "BeamSearchParams": "tandem.sampling_params",
     "RequestOutput": "tandem.outputs",
     "CompletionOutput": "tandem.outputs",
 }
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

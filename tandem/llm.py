@@ -6,8 +6,8 @@ from typing import Iterator, Sequence
 
 from tandem.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine
-from tandem.outputs import RequestOutput
-from tandem.sampling_params import SamplingParams, model_defaults
+from tandem.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from tandem.sampling_params import BeamSearchParams, SamplingParams, model_defaults
 
 Prompt = str | list[int]
 
@@ -34,9 +34,7 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run all prompts to completion in one continuous batch; outputs in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = self._prompt_list(prompts)
         params_list = self._params_for(len(prompts), params)
         # Validate everything first: one bad prompt must not leave the others half-queued.
         reqs = [self.engine.make_request(None, p, sp) for p, sp in zip(prompts, params_list)]
@@ -49,6 +47,28 @@ class LLM:
                 if out.finished:
                     final[out.request_id] = out
         return [final[r.request_id] for r in reqs]
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search of each prompt in the engine (tandem/engine/beam_group.py): all prompts' groups
+        in one continuous batch; per prompt, its beam_width hypotheses best first."""
+        prompts = self._prompt_list(prompts)
+        reqs = [self.engine.make_beam_request(None, p, params) for p in prompts]  # all validated first
+        for r in reqs:
+            self.engine.enqueue(r)
+        ids = {r.request_id for r in reqs}
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(reqs):
+            for out in self.engine.step():
+                if out.finished and out.request_id in ids:
+                    final[out.request_id] = out
+        results = []
+        for r in reqs:
+            out = final[r.request_id]
+            results.append(BeamSearchOutput([
+                BeamSearchSequence(out.prompt_token_ids + c.token_ids, c.cumulative_logprob or 0.0, c.text,
+                                   c.finish_reason, c.stop_reason if isinstance(c.stop_reason, int) else None,
+                                   len(out.prompt_token_ids)) for c in out.outputs]))
+        return results
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield a RequestOutput per step for one prompt (text_delta holds the new text)."""
@@ -71,6 +91,12 @@ class LLM:
         if len(ids) > self.engine.max_model_len:
             raise ValueError(f"{len(ids)} tokens exceed max_model_len={self.engine.max_model_len}")
         return self.engine.runner.score(ids)
+
+    @staticmethod
+    def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            return [prompts]  # type: ignore[list-item]
+        return list(prompts)
 
     def _params_for(self, n: int, params) -> list[SamplingParams]:
         if params is None:

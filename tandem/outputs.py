@@ -14,6 +14,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[dict[int, float]] | None = None  # per generated token: {token_id: logprob}
+    cumulative_logprob: float | None = None  # beam search: the hypothesis' summed log-probs
 
 
 @dataclass(slots=True)
@@ -43,3 +44,26 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One hypothesis of `LLM.beam_search` (vLLM's names): `tokens` = prompt + generated tokens."""
+
+    tokens: list[int]
+    cum_logprob: float
+    text: str
+    finish_reason: str | None
+    stop_reason: int | None
+    num_prompt_tokens: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """A prompt's beam_width hypotheses, best first (score = cum_logprob / generated ** length_penalty)."""
+
+    sequences: list[BeamSearchSequence]

@@ -105,11 +105,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, data: dict) -> "SamplingParams":
         """Build from a wire/JSON dict; unknown keys are an error naming the known ones."""
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**data)
+        return cls(**_known_fields(cls, data, "sampling"))
 
     def to_dict(self) -> dict:
         """A wire/JSON dict (logit_bias keys as strings: msgpack and JSON maps keep string keys)."""
@@ -117,6 +113,59 @@ class SamplingParams:
         if self.logit_bias:
             out["logit_bias"] = {str(k): v for k, v in self.logit_bias.items()}
         return out
+
+
+MAX_BEAM_WIDTH = 16
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """Beam search of one prompt (vLLM's names; `early_stopping` as transformers has it).
+
+    The `beam_width` best hypotheses are returned best first, scored the transformers way:
+    cumulative log-prob / (generated tokens ** length_penalty). Deterministic: temperature must be 0.
+    `early_stopping`: True ends the search once beam_width hypotheses finished; False and "never" keep
+    going while a live beam could still beat the worst finished one (transformers' heuristics).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _check_int("beam_width", self.beam_width, minimum=1)
+        if self.beam_width > MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be at most {MAX_BEAM_WIDTH}, got {self.beam_width}")
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        _check_number("temperature", self.temperature)
+        if self.temperature != 0:
+            raise ValueError(f"temperature must be 0 with beam search (it is deterministic), got {self.temperature}")
+        _check_number("length_penalty", self.length_penalty)
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "BeamSearchParams":
+        return cls(**_known_fields(cls, data, "beam search"))
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _known_fields(cls: type, data: dict, what: str) -> dict:
+    known = {f.name for f in fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"unknown {what} parameter(s) {sorted(unknown)}; known: {sorted(known)}")
+    return data
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

@@ -151,3 +151,27 @@ def test_triton_kernels_in_the_engine(mistral, monkeypatch):
     _watch_blocks(llm)
     outs = llm.generate(prompts, greedy(24))
     assert [o.token_ids for o in outs] == hf_greedy(mistral, prompts, 24)
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_beam_search_under_the_window(mistral, width):
+    """Beam groups fork hypotheses whose early blocks were released (NULL_BLOCK): the beams equal
+    transformers' beam search on the same sliding-window model, and the pool stays consistent."""
+    import torch
+    import transformers as tf
+
+    from tandem import BeamSearchParams
+
+    prompts = _prompts(2, seed=9)
+    llm = LLM(mistral, num_kv_blocks=128, max_model_len=1024, max_num_batched_tokens=CHUNK)
+    outs = llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=30, ignore_eos=True))
+    model = tf.AutoModelForCausalLM.from_pretrained(mistral, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=width,
+                                 num_return_sequences=width, max_new_tokens=30, early_stopping=True,
+                                 eos_token_id=None, pad_token_id=2)
+        assert [s.output_token_ids for s in out.sequences] == [seq[len(prompt):].tolist() for seq in ref]
+    llm.engine.check_invariants()
+    assert llm.engine.kv.pool.num_used == 0

@@ -46,6 +46,13 @@ class BlockPool:
             self.ref_counts[b] += 1
             self.policy.block_used(b)
 
+    def share(self, block_ids: list[int]) -> None:
+        """One more reference on blocks in use (a beam fork shares its parent's full blocks)."""
+        for b in block_ids:
+            if self.ref_counts[b] <= 0:
+                raise RuntimeError(f"share() of block {b}, which is not in use")
+            self.ref_counts[b] += 1
+
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free:
             raise RuntimeError(f"allocate({n}) with only {self.num_free} free blocks")  # caller checks first

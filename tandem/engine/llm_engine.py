@@ -26,16 +26,18 @@ import torch
 from kvtransfer.base import allocate_kv_caches
 from tandem.config import EngineConfig
 from tandem.engine import spec_decode
+from tandem.engine.beam_group import BeamGroups
+from tandem.engine.beam_search import BeamSearch
 from tandem.engine.kv_cache_manager import KVCacheManager, release_window
 from tandem.engine.kv_connector import KVConnector
 from tandem.engine.kv_layout import KVAllocator, cache_layout
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.request import Request
-from tandem.engine.scheduler import Scheduler
+from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.strategies import resolve_eviction, resolve_quantizer
 from tandem.models.config import ModelConfig
 from tandem.outputs import CompletionOutput, RequestOutput
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import BeamSearchParams, SamplingParams
 from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
@@ -78,6 +80,9 @@ class LLMEngine:
             # 1 + 15 speculated tokens), or a max_model_len prompt would wait for every stream to end.
             batched = max(batched, self.max_model_len + config.max_num_seqs * 16)
         self.scheduler = Scheduler(self.kv, batched, config.max_num_seqs, config.enable_chunked_prefill)
+        runner = self.runner
+        self.beams = BeamGroups(self.kv, self.scheduler, lambda: [*runner.kv_caches, *(runner.kv_scales or [])],
+                                self.tokenizer.decode)
         self.eos_token_ids = set(model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -143,6 +148,24 @@ class LLMEngine:
             req.prompt_logprobs = [None, *self.runner.prompt_logprobs(ids, params.prompt_logprobs)]
         return req
 
+    def make_beam_request(self, request_id: str | None, prompt: str | list[int], params: BeamSearchParams) -> Request:
+        """A beam search's root request (its prompt), validated like any; `enqueue` starts the group."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError("params must be a BeamSearchParams")
+        params.validate()
+        if self.speculator is not None:
+            raise ValueError("beam search is not served by an engine with a speculator")
+        req = self.make_request(request_id, prompt, SamplingParams(max_tokens=params.max_tokens, temperature=0.0,
+                                                                   ignore_eos=params.ignore_eos))
+        # Worst case (no block shared): every hypothesis as long as the prompt plus max_tokens.
+        need = params.beam_width * self.kv.num_blocks_for(len(req.token_ids) + req.max_tokens)
+        if need > self.num_kv_blocks:
+            raise ValueError(f"beam search of width {params.beam_width} over {len(req.token_ids)} + {req.max_tokens} "
+                             f"tokens may need {need} KV blocks; the cache has {self.num_kv_blocks}: lower beam_width "
+                             "or max_tokens, or raise kv_cache_memory_gb / num_kv_blocks")
+        req.beam = BeamSearch(params, self.eos_token_ids, req.max_tokens)
+        return req
+
     @functools.cached_property
     def grammars(self) -> Any:
         """Structured outputs' grammar compiler for this model's tokenizer (built on first use)."""
@@ -158,13 +181,16 @@ class LLMEngine:
         return req.request_id
 
     def enqueue(self, req: Request) -> None:
-        """Queue a request built by `make_request` (a service sets its `kv_peer` first)."""
-        self.track(req)
+        """Queue a request built by `make_request` or `make_beam_request` (a service sets its `kv_peer` first)."""
+        if req.beam is not None:  # its output is the group's, made by BeamGroups
+            self.beams.add(req, req.beam)
+        else:
+            self.track(req)
         self.scheduler.add(req)
 
     def has_runnable(self) -> bool:
         """Requests to compute now (remote-KV waits and held blocks are the connector's to poll)."""
-        return bool(self.scheduler.running or self.scheduler.waiting)
+        return bool(self.scheduler.running or self.scheduler.waiting or self.beams.num_computing())
 
     def stats(self) -> dict:
         """Scheduler and KV-cache counters for a worker's stats and metrics, and whether the KV block
@@ -175,7 +201,8 @@ class LLMEngine:
             invariant_ok = True
         except AssertionError:
             invariant_ok = False
-        return {"running": len(sched.running), "waiting": len(sched.waiting), "waiting_for_kv": len(sched.remote),
+        return {"running": len(sched.running) + self.beams.num_computing(), "waiting": len(sched.waiting),
+                "waiting_for_kv": len(sched.remote),
                 "kv_blocks_total": kv.num_blocks, "kv_blocks_used": kv.used_blocks, "kv_usage": kv.usage,
                 "prefix_queried_tokens": kv.prefix_queried_tokens, "prefix_hit_tokens": kv.prefix_hit_tokens,
                 "preemptions": sched.num_preemptions, "kv_invariant_ok": invariant_ok}
@@ -185,11 +212,14 @@ class LLMEngine:
         self._text[req.request_id] = ""
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        beams = self.beams.abort(request_id)
+        if beams is not None:
+            return beams
         req = self.scheduler.abort(request_id)
         return self._output(req, []) if req is not None else None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self.beams.groups)
 
     def set_kv_connector(self, connector: KVConnector) -> None:
         """Plug in a connector: the scheduler consults its scheduler half, `step` polls its worker
@@ -206,6 +236,11 @@ class LLMEngine:
         for a in updates.arrived:
             req = sched.remote.get(a.request_id)
             if req is None:
+                continue
+            if req.beam is not None:  # P's first token is not a beam search's: this worker computes the
+                req.num_computed_tokens = req.num_tokens - 1  # last prompt token again for the logits row
+                sched.compute_locally(a.request_id)  # (after the line above: the window's blocks suffice)
+                self.kv.cache_computed_blocks(req)
                 continue
             before = req.num_tokens
             sched.remote_kv_arrived(a.request_id, a.first_token)
@@ -224,11 +259,17 @@ class LLMEngine:
         outputs = self._apply_kv_updates()
         if self.speculator is not None:
             self._speculate()
-        out = self.scheduler.schedule()
-        self.current_schedule = out  # what the connector's save_layer pushes, layer by layer
-        if out.empty:
+        beam_rows = self.beams.schedule()  # beam groups' hypotheses, first: a group runs whole or not at all
+        beam_tokens = sum(s.num_new_tokens for s in beam_rows)
+        seats = self.scheduler.max_num_seqs if self.beams.starved else len(beam_rows)
+        out = self.scheduler.schedule(beam_tokens, seats)
+        run = out if not beam_rows else SchedulerOutput(beam_rows + out.scheduled, out.preempted,
+                                                        out.num_tokens + beam_tokens)
+        self.current_schedule = run  # what the connector's save_layer pushes, layer by layer
+        if run.empty:
             return outputs
-        result = self.runner.execute(out)
+        result = self.runner.execute(run)
+        roots = self.beams.take_roots(result.sampled) if self.beams.groups else []
         before = {s.request.request_id: s.request.num_tokens for s in out.scheduled}
         if self.speculator is not None:
             spec_decode.cut_runs_at_stop_strings(result.sampled, result.logits, self.scheduler.requests,
@@ -239,6 +280,8 @@ class LLMEngine:
             if req.logprobs is not None:
                 self._record_logprobs(req, result.logits[req.request_id], new_ids)
             outputs.append(self._output(req, new_ids))
+        if beam_rows or roots:
+            outputs += self.beams.advance(beam_rows, roots, result.logits)
         return outputs
 
     def _speculate(self) -> None:
@@ -321,4 +364,4 @@ class LLMEngine:
         return text[len(before):]
 
     def check_invariants(self) -> None:
-        self.kv.check_invariants(self.scheduler.live_requests())
+        self.kv.check_invariants(self.scheduler.live_requests() + self.beams.live_requests())

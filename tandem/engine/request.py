@@ -28,7 +28,7 @@ class Request:
                  "arrival_time", "status", "num_computed_tokens", "block_ids", "block_hashes",
                  "num_cached_tokens", "generator", "spec_token_ids", "finish_reason", "stop_reason",
                  "logprobs", "num_preemptions", "priority", "num_registered_blocks", "kv_peer", "grammar",
-                 "prompt_logprobs")
+                 "prompt_logprobs", "beam")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: set[int], max_tokens: int, priority: int = 0) -> None:
@@ -55,6 +55,7 @@ class Request:
         self.kv_peer: str | None = None  # decode role: the prefill worker its prompt's KV comes from
         self.grammar = None  # structured.GrammarState when params.structured_outputs (set by the engine)
         self.prompt_logprobs: list[dict[int, float] | None] | None = None  # set by the engine when asked
+        self.beam = None  # beam_search.BeamSearch when this is a beam group's root (set by the engine)
 
     @property
     def num_tokens(self) -> int:

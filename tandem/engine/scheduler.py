@@ -62,6 +62,7 @@ class Scheduler:
         self.held: dict[str, Request] = {}  # finished, blocks kept until the connector releases them
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.reserved_seats = 0
 
     # ---- admission -------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -107,8 +108,10 @@ class Scheduler:
             self.kv.free(req)
 
     # ---- one step ----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
+    def schedule(self, reserved_tokens: int = 0, reserved_seats: int = 0) -> SchedulerOutput:
+        """`reserved_*`: taken this step by sequences outside the scheduler (beam groups' hypotheses)."""
+        budget = self.max_num_batched_tokens - reserved_tokens
+        self.reserved_seats = reserved_seats
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         i = 0
@@ -131,10 +134,10 @@ class Scheduler:
                 i += 1
         if not preempted:
             budget = self._admit_waiting(scheduled, budget)
-        return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
+        return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - reserved_tokens - budget)
 
     def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
-        while self.waiting and len(self.running) + len(self.remote) < self.max_num_seqs:
+        while self.waiting and len(self.running) + len(self.remote) + self.reserved_seats < self.max_num_seqs:
             req = self.waiting[0]
             cached = self.kv.find_cached_prefix(req)
             n_cached = len(cached) * self.kv.block_size

@@ -38,6 +38,7 @@ class AddRequest:
     sampling: Map
     prefill_peer: Id | None  # the prefill worker's control address; None: D computes the prompt
     text: Text | None = None  # the original prompt text, for logs only
+    beam: Map | None = None  # BeamSearchParams as a map: a beam search of the prompt (one `output`, with `beams`)
 
 
 @message("abort")
@@ -58,6 +59,7 @@ class Output:
     stop_reason: Any_ = None
     queue_time_s: Any_ = None
     prompt_logprobs: Any_ = None  # first output only, when asked: per prompt token [[token_id, logprob], ...] | None
+    beams: Any_ = None  # a beam search's answer: [{token_ids, text, cumulative_logprob, finish_reason, stop_reason}]
 
 
 @message("error")
