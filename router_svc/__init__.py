@@ -8,8 +8,9 @@ the worker registry, routing policies and admission control. Start it with `tand
 - links.py      one ZMQ DEALER per worker (asyncio), the registration ROUTER socket
 - prompts.py    model name check, tokenization, chat template
 - http_server.py   HTTP/1.1 on uvicorn (httptools): an ASGI adapter with client deadlines and limits
-- openai_server.py / openai_api.py / openai_models.py   the OpenAI routes, request/response shapes,
-                typed (pydantic) request models served as /openapi.json and /docs
+- openai_server.py / openai_api.py / openai_responses.py / openai_models.py   the OpenAI routes,
+                request shapes, response shapes, typed (pydantic) request models (/openapi.json, /docs)
+- structured_request.py / beam_request.py   response_format & co., use_beam_search: body -> params
 - fanout.py     `n` and batched prompts: one request in flight per choice
 - grpc_api.py   the gRPC servicer, health and reflection
 - errors.py / metrics.py

@@ -25,14 +25,12 @@ from router_svc.core import Chunk, Router
 from router_svc.errors import BadRequest, NotFound, Overloaded, RouterError
 from router_svc.fanout import Choices, choice_ids, submit_all
 from router_svc.http_server import Request, Response
-from router_svc.openai_api import (
-    ParsedRequest,
+from router_svc.openai_api import ParsedRequest, parse_chat, parse_completion
+from router_svc.openai_responses import (
     Totals,
     echo_logprobs,
     final_response,
     format_logprobs,
-    parse_chat,
-    parse_completion,
     stream_chunk,
     usage_chunk,
 )
