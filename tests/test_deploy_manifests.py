@@ -12,6 +12,7 @@ Any other custom kind fails: nothing renders unvalidated.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -239,3 +240,21 @@ def test_yaml_under_deploy_passes_yamllint():
     proc = subprocess.run([sys.executable, "-m", "yamllint", "-c", str(ROOT / ".yamllint"), "-f", "parsable",
                            str(ROOT / "deploy")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_deploy_files_parse():
+    prom = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
+    jobs = {j["job_name"] for j in prom["scrape_configs"]}
+    assert {"tandem-router", "tandem-prefill", "tandem-decode"} <= jobs
+    prov = ROOT / "deploy/grafana/provisioning"
+    ds = yaml.safe_load((prov / "datasources/prometheus.yml").read_text())["datasources"][0]
+    dash = json.loads((ROOT / "deploy/grafana/tandem.json").read_text())
+    assert all(p["datasource"]["uid"] == ds["uid"] for p in dash["panels"] if "datasource" in p)
+    assert yaml.safe_load((prov / "dashboards/tandem.yml").read_text())["providers"]
+    compose = [ROOT / "deploy" / f for f in ("docker-compose.yml", "docker-compose.monitoring.yml")]
+    services = {}
+    for path in compose:
+        if path.exists():
+            services.update(yaml.safe_load(path.read_text()).get("services") or {})
+    for name in ("prometheus", "grafana"):
+        assert name in services and "monitoring" in services[name].get("profiles", []), name
