@@ -94,8 +94,10 @@ class LLMEngine:
         from tandem.engine.strategies import resolve_speculator
 
         cls = resolve_speculator(self.config.speculator)
-        return cls(SpeculatorContext(self.config, self.model_config, self.max_model_len,
-                                     self.config.torch_device, self.config.torch_dtype))
+        spec = cls(SpeculatorContext(self.config, self.model_config, self.max_model_len,
+                                     self.config.torch_device, self.config.torch_dtype, target=self.runner))
+        self.runner.keep_hidden = spec.wants_hidden_states
+        return spec
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -225,6 +227,8 @@ class LLMEngine:
         if out.empty:
             return outputs
         result = self.runner.execute(out)
+        if result.hidden:  # before `update`, so a request finishing this step is dropped after it
+            self.speculator.observe_hidden_states(result.hidden)  # type: ignore[union-attr]
         before = {s.request.request_id: s.request.num_tokens for s in out.scheduled}
         if self.speculator is not None:
             spec_decode.cut_runs_at_stop_strings(result.sampled, result.logits, self.scheduler.requests,
