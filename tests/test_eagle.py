@@ -3,6 +3,7 @@ checkpoint, the shipped head on the shipped model, colocated and disaggregated),
 distributed as the target's (chi-square, every speculator), the head's cache following accepted tokens
 through rejections and preemption, and a head for another model refused at start."""
 
+import re
 import subprocess
 import sys
 
@@ -92,7 +93,7 @@ def test_head_cache_follows_accepted_tokens(shipped):
             fresh.release(rid)
         expected, _ = fresh.propose(requests, ks)
         got, probs = incremental(requests, ks)
-        calls.append(got == expected)
+        calls.extend(got.get(r.request_id) == expected.get(r.request_id) for r in requests)
         return got, probs
 
     spec.runner.propose = checked
@@ -100,7 +101,7 @@ def test_head_cache_follows_accepted_tokens(shipped):
     stats = eng.speculator_stats()
     assert 0 < stats["num_accepted_tokens"] < stats["num_drafted_tokens"]  # accepted and rejected
     # fp32 sums in another order (a cache-free pass vs the engine's steps) may flip a near tie: allow 1.
-    assert len(calls) > 20 and calls.count(False) <= 1, calls
+    assert len(calls) > 30 and calls.count(False) <= 1, calls
     assert fresh.num_recomputes > 0
     check_clean(llm)
 
@@ -171,3 +172,32 @@ def test_head_for_another_model_is_refused(tiny, tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2 and len(lines) == 1 and "hidden_size 128" in lines[0], res.stderr
+
+
+def test_disaggregated_decode_worker_drafts_with_eagle(shipped, tmp_path):
+    """P prefills (no speculator), D decodes with `--speculator eagle`: D never computed the prompt's
+    target states, so its head recomputes them once per request (one cache-free target pass over the
+    prompt); output equals the colocated run and D's drafts are accepted."""
+    from service_procs import stop_all, worker_stats
+    from test_disagg import Client, start_worker
+    from test_observability import scrape, total
+
+    from tandem.default_model import default_model_path
+
+    prompts, expected = shipped
+    model = default_model_path()
+    prefill, p_addr = start_worker("prefill", model, tmp_path, "--kv-connector", "zmq")
+    decode, d_addr = start_worker("decode", model, tmp_path, "--kv-connector", "zmq", "--local-prefill-threshold",
+                                  "0", "--speculator", "eagle")
+    try:
+        client = Client(d_addr["control"])
+        greedy = {"temperature": 0, "max_tokens": 32, "ignore_eos": True}
+        for i, p in enumerate(prompts):
+            client.add(f"r{i}", p, p_addr["control"], greedy)
+        got = client.collect([f"r{i}" for i in range(len(prompts))])
+        assert [got[f"r{i}"] for i in range(len(prompts))] == expected
+        assert worker_stats(d_addr["control"])["remote_prefills"] == len(prompts)
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metrics", d_addr["metrics"])
+        assert total(scrape(d_addr["metrics"]), "tandem_spec_accepted_tokens_total") > 0
+    finally:
+        stop_all([decode, prefill])
