@@ -161,8 +161,9 @@ def sample_drafts(batch: list[tuple[Request, int]], logits: torch.Tensor, tokens
 def paged_metadata(spans: list[tuple[list[int], int, int]], decode: bool, ops, kv_caches: list[torch.Tensor],
                    block_size: int, device: torch.device) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
     """Attention metadata of one pass over a speculator's own paged cache. spans: (block table, position
-    of the first new token, number of new tokens) per sequence, all 1 token if `decode`. Returns the
-    metadata, the positions of every token and the index of each sequence's last token."""
+    of the first new token, number of new tokens) per sequence, all the same number (at most 16) if
+    `decode`. Returns the metadata, the positions of every token and the index of each sequence's last
+    token."""
     slots, positions, ends, starts, lens, tables = [], [], [], [0], [], []
     for bt, start, n in spans:
         pos = range(start, start + n)
@@ -178,7 +179,7 @@ def paged_metadata(spans: list[tuple[list[int], int, int]], decode: bool, ops, k
     meta = AttentionMetadata(
         ops=ops, kv_caches=kv_caches, kv_scales=None,
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        num_decode_seqs=len(spans) if decode else 0, decode_query_len=1 if decode else 0,
+        num_decode_seqs=len(spans) if decode else 0, decode_query_len=spans[0][2] if decode else 0,
         decode_block_tables=table if decode else None, decode_seq_lens=seq_lens if decode else None,
         prefill_block_tables=None if decode else table,
         prefill_query_start_loc=None if decode else torch.tensor(starts, dtype=torch.int32, device=device),

@@ -28,6 +28,7 @@ from kernels import get_ops
 from plugins.draft_model import paged_metadata, sample_drafts
 from plugins.eviction import LRUEviction
 from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.model_runner import MAX_DECODE_QUERY_LEN
 from tandem.engine.request import Request
 from tandem.models.config import ModelConfig
 from tandem.models.eagle import load_head
@@ -101,7 +102,10 @@ class EagleRunner:
         for r, _ in batch:
             c, n = self.seqs[r.request_id].num_computed_tokens, r.num_tokens
             feed.append((r, r.token_ids[c + 1:n], self._features(r, c, n - 1), c))
-        state = self._forward(feed, decode=False)
+        # Equal short catch-ups (always so at batch 1) attend from the cache like the target's verification
+        # rows do: the decode path is cheaper than the varlen prefill one.
+        lens = {len(toks) for _, toks, _, _ in feed}
+        state = self._forward(feed, decode=len(lens) == 1 and lens.pop() <= MAX_DECODE_QUERY_LEN)
         sample_drafts(batch, self.target.model.compute_logits(state), tokens, probs, self.vocab_size, self.generator)
         last = {r.request_id: state[i:i + 1] for i, (r, _) in enumerate(batch)}
         # Passes 2..k: the previous draft token with the head's own prediction of the state before it.
