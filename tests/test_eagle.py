@@ -155,6 +155,35 @@ def _probs(runner, tokens: list[int]) -> torch.Tensor:
     return torch.softmax(runner.model.compute_logits(runner.hidden_states(tokens)[-1:]).float(), -1)[0, :8]
 
 
+def test_shipped_head_is_packaged_with_vllm_names():
+    """The head ships as package data (pyproject's globs cover it) in bf16 with vLLM EAGLE names."""
+    import fnmatch
+    import json
+    from pathlib import Path
+
+    import tomllib
+    from safetensors import safe_open
+
+    from tandem import default_model
+
+    head = Path(default_model.default_eagle_path())
+    cfg = json.loads((head / "config.json").read_text())
+    assert cfg["architectures"] == ["EagleLlamaForCausalLM"] and cfg["num_hidden_layers"] == 1
+    with safe_open(str(head / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert all(f.get_tensor(k).dtype == torch.bfloat16 for k in names)
+    assert "fc.weight" in names and all(n == "fc.weight" or n.startswith("layers.0.") for n in names)
+    assert "layers.0.input_layernorm.weight" not in names
+    root = head.parents[2]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["tandem"]
+    files = [*head.iterdir(), head.parent / "eagle_train_stats.json"]
+    shipped = [p.relative_to(root / "tandem").as_posix() for p in files]
+    assert all(any(fnmatch.fnmatch(f, g) for g in globs) for f in shipped), shipped
+    r = subprocess.run([sys.executable, str(root / "tools" / "train_eagle.py"), "--help"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "--unroll" in r.stdout
+
+
 def test_head_for_another_model_is_refused(tiny, tmp_path):
     path, _ = tiny
     wide = make_eagle_head(str(tmp_path / "wide"), path, hidden_size=128)
