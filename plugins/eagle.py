@@ -14,7 +14,8 @@ by the engine after every forward pass: `observe`). One proposal of k tokens is 
 Drafted positions hold KV made from *predicted* states, so they are never kept: the next proposal
 recomputes them from the real states the verification pass produced (EAGLE's rule). Target states
 the engine never computed here — a prefix-cache hit, a prompt prefilled by a prefill worker, state
-dropped for room — are recomputed with one cache-free target pass over the prefix (`num_recomputes`).
+dropped for room or because too many piled up — are recomputed with one cache-free target pass over
+the prefix (`num_recomputes`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ from tandem.models.eagle import load_head
 
 if TYPE_CHECKING:
     from tandem.engine.model_runner import ModelRunner
+
+# Target states held per request at most: a request that is not speculated for a long time (batch
+# above spec_max_batch, a long chunked prompt) would otherwise pile up [tokens, hidden] floats.
+MAX_HELD_STATES = 4096
 
 
 @dataclass(slots=True)
@@ -69,6 +74,7 @@ class EagleRunner:
         self.seqs: dict[str, _HeadSeq] = {}
         self.generator = torch.Generator().manual_seed(seed)
         self.num_recomputes = 0  # catch-ups whose target states had to be recomputed (see module doc)
+        self.max_held_states = MAX_HELD_STATES
 
     def release(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -85,6 +91,8 @@ class EagleRunner:
                 seq.features = torch.cat([f[:start - seq.feat_start], rows])
             else:  # a gap (prefix-cache hit) or a restart from 0 (preemption): what is held is no use
                 seq.feat_start, seq.features = start, rows
+            if len(seq.features) > self.max_held_states:
+                seq.features = None  # recomputed if the request is speculated again
 
     # ---- proposing -----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -75,6 +75,18 @@ def test_greedy_identical_with_shipped_head_and_it_accepts(shipped):
     check_clean(llm)
 
 
+def test_dropped_target_states_are_recomputed(shipped):
+    """A request holding more target states than max_held_states drops them (a whole prompt here) and
+    its head recomputes them with one cache-free target pass: same output, same acceptance."""
+    prompts, expected = shipped
+    llm = LLM(max_model_len=512, speculator="eagle")
+    llm.engine.speculator.runner.max_held_states = 8
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert llm.engine.speculator.runner.num_recomputes == len(prompts)
+    assert llm.engine.speculator_stats()["acceptance_rate"] > 0.3
+    check_clean(llm)
+
+
 def test_head_cache_follows_accepted_tokens(shipped):
     """After every verification the incremental head must propose what a head rebuilding each request
     from scratch (target states recomputed by a cache-free pass) proposes."""
