@@ -64,13 +64,7 @@ class DraftModelRunner:
         self.device, self.block_size = device, block_size
         self.model = load_model(path, dtype, device, max_model_len + k + 1)
         self.ops = get_ops(device)
-        # Room for max_seqs full-length sequences plus their drafted tail; more live requests than
-        # that only happens after speculation was off, and then stale states are dropped (see _room).
-        per_seq = -(-(max_model_len + k) // block_size)
-        num_blocks = (max_seqs + 1) * per_seq
-        shape = (num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.kv = KVCacheManager(num_blocks, block_size, LRUEviction(num_blocks), enable_caching=False)
+        self.kv_caches, self.kv = own_cache(cfg, dtype, device, block_size, max_model_len, k, max_seqs)
         self.seqs: dict[str, _DraftSeq] = {}
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -136,6 +130,18 @@ class DraftModelRunner:
         meta, positions, ends = paged_metadata(spans, decode, self.ops, self.kv_caches, self.block_size, self.device)
         hidden = self.model(torch.tensor(ids, device=self.device), positions, meta)
         return self.model.compute_logits(hidden[ends])
+
+
+def own_cache(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int, max_model_len: int,
+              k: int, max_seqs: int) -> tuple[list[torch.Tensor], KVCacheManager]:
+    """A speculator's own paged KV cache (per-layer tensors) and its block manager: room for max_seqs
+    full-length sequences plus their drafted tail. More live requests than that only happens after
+    speculation was off, and then stale states are dropped (the runners' `_prepare`)."""
+    per_seq = -(-(max_model_len + k) // block_size)
+    num_blocks = (max_seqs + 1) * per_seq
+    shape = (num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+    caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+    return caches, KVCacheManager(num_blocks, block_size, LRUEviction(num_blocks), enable_caching=False)
 
 
 def sample_drafts(batch: list[tuple[Request, int]], logits: torch.Tensor, tokens: dict[str, list[int]],

@@ -26,9 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import get_ops
-from plugins.draft_model import paged_metadata, sample_drafts
-from plugins.eviction import LRUEviction
-from tandem.engine.kv_cache_manager import KVCacheManager
+from plugins.draft_model import own_cache, paged_metadata, sample_drafts
 from tandem.engine.model_runner import MAX_DECODE_QUERY_LEN
 from tandem.engine.request import Request
 from tandem.models.config import ModelConfig
@@ -64,13 +62,7 @@ class EagleRunner:
         self.vocab_size = target_config.vocab_size
         self.device, self.block_size = device, block_size
         self.ops = get_ops(device)
-        cfg = self.head.config
-        # Room for max_seqs full-length sequences plus their drafted tail (as plugins/draft_model.py).
-        per_seq = -(-(max_model_len + k) // block_size)
-        num_blocks = (max_seqs + 1) * per_seq
-        shape = (num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.kv = KVCacheManager(num_blocks, block_size, LRUEviction(num_blocks), enable_caching=False)
+        self.kv_caches, self.kv = own_cache(self.head.config, dtype, device, block_size, max_model_len, k, max_seqs)
         self.seqs: dict[str, _HeadSeq] = {}
         self.generator = torch.Generator().manual_seed(seed)
         self.num_recomputes = 0  # catch-ups whose target states had to be recomputed (see module doc)
