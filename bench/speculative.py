@@ -1,19 +1,24 @@
 """Speculative decoding: decode tok/s with and without each speculator at batch 1 and 16, on a
-workload whose continuation repeats prompt text, plus the draft's greedy acceptance rate vs the target.
+workload whose continuation repeats prompt text (or plain held-out code), plus the draft's and the
+EAGLE head's greedy acceptance rates vs the target.
 
-    python -m bench.speculative [--model PATH --draft-model PATH] [--k 4] [--new-tokens 96]
+    python -m bench.speculative [--model PATH --draft-model PATH --eagle-head PATH] [--k 4] [--new-tokens 96]
 
-Models: tandem's shipped pair (`tandem.default_model`, tandem/assets/tiny-target + tiny-draft) unless
---model / --draft-model are given. Prompts are snippets of held-out standard-library files (the
-files tools/train_tiny.py holds out: sorted index % 50 == 0).
+Models: tandem's shipped target, draft and EAGLE head (`tandem.default_model`, tandem/assets/tiny-target,
+tiny-draft, tiny-eagle) unless --model / --draft-model / --eagle-head are given. Prompts are snippets
+of held-out standard-library files (the files tools/train_tiny.py holds out: sorted index % 50 == 0).
 
-- repeat workload: a snippet, then the snippet's first third again; a model that copies continues
-  with text it has seen, which is what prompt lookup (ngram) can guess.
+- repeat workload (default): a snippet, then the snippet's first third again; a model that copies
+  continues with text it has seen, which is what prompt lookup (ngram) can guess.
+- plain workload (--workload plain): the snippet alone (<= 256 tokens), no planted repetition.
 - decode tok/s counts only tokens produced after every request of the batch has its first token
   (prefill excluded). At batch 16 speculation is forced on (spec_max_batch=16); with the default
   spec_max_batch=8 the engine switches it off there and runs at the baseline speed.
-- each configuration runs --repeats times (default 3) and the fastest run counts.
+- each configuration runs --repeats times (default 3) and the fastest run counts; a run is --rounds
+  consecutive batches (default 1) on different prompts, timed together (at batch 1 one prompt alone
+  is a thin sample: acceptance varies a lot between prompts).
 - mean accepted length = draft tokens kept per verifying step (tokens per step is that + 1).
+- speculators: none (the baseline), ngram, draft_model, eagle, on the same prompts.
 All greedy, so every configuration must produce the same tokens; the bench checks that.
 
 --cpu-clock times with the main thread's CPU clock and one torch thread: on a machine shared with
@@ -67,8 +72,10 @@ def repeat_prompts(tokenizer, n: int) -> list[list[int]]:
 CLOCK = time.perf_counter
 
 
-def decode_run(model: str, prompts: list[list[int]], new_tokens: int, **options) -> tuple[float, list, dict]:
-    """Decode tok/s of one batch (after every request's first token), its outputs and spec stats."""
+def decode_run(model: str, prompts: list[list[int]], new_tokens: int, batch: int | None = None,
+               **options) -> tuple[float, list, dict]:
+    """Decode tok/s (after every request of a batch has its first token), outputs and spec stats of
+    `prompts` run in consecutive batches of `batch` (default: all at once) on one engine."""
     from tandem.config import EngineConfig
     from tandem.engine.llm_engine import LLMEngine
     from tandem.sampling_params import SamplingParams
@@ -76,28 +83,35 @@ def decode_run(model: str, prompts: list[list[int]], new_tokens: int, **options)
     engine = LLMEngine(EngineConfig(model=model, max_model_len=1024, kv_cache_memory_gb=0.5,
                                     max_num_batched_tokens=8192, **options))
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    ids = [engine.add_request(None, p, params) for p in prompts]
-    tokens = {i: [] for i in ids}
-    while not all(tokens.values()):  # prefill (not timed)
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-    counted, t = 0, CLOCK()
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-            counted += len(out.new_token_ids)
-    dt = CLOCK() - t
+    size, outputs, counted, dt = batch or len(prompts), [], 0, 0.0
+    for first in range(0, len(prompts), size):
+        ids = [engine.add_request(None, p, params) for p in prompts[first:first + size]]
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        while not all(tokens.values()):  # prefill (not timed)
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        t = CLOCK()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+                counted += len(out.new_token_ids)
+        dt += CLOCK() - t
+        outputs += [tokens[i] for i in ids]
     engine.check_invariants()
-    return counted / dt, [tokens[i] for i in ids], engine.speculator_stats()
+    return counted / dt, outputs, engine.speculator_stats()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="target checkpoint (default: tandem's shipped tiny-target)")
     ap.add_argument("--draft-model", default=None, help="draft checkpoint (default: tandem's shipped tiny-draft)")
+    ap.add_argument("--eagle-head", default=None, help="EAGLE head checkpoint (default: tandem's shipped tiny-eagle)")
     ap.add_argument("--k", type=int, default=4, help="speculated tokens per step")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--workload", choices=("repeat", "plain"), default="repeat")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="consecutive batches per configuration, each with the next prompts (batch 1: R prompts)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per configuration; the fastest counts")
     ap.add_argument("--cpu-clock", action="store_true", help="time with thread CPU time, 1 torch thread")
     args = ap.parse_args()
@@ -105,33 +119,37 @@ def main() -> None:
         global CLOCK
         CLOCK = time.thread_time
         torch.set_num_threads(1)
-    model, draft = args.model, args.draft_model
-    if model is None or draft is None:
+    model, draft, head = args.model, args.draft_model, args.eagle_head
+    if model is None or draft is None or head is None:
         from tandem import default_model
 
         try:
             model = model or default_model.default_model_path()
             draft = draft or default_model.default_draft_path()
-        except (FileNotFoundError, AttributeError) as exc:
-            raise SystemExit(f"no shipped model pair ({exc}); pass --model PATH --draft-model PATH")
+            head = head or default_model.default_eagle_path()
+        except (ValueError, AttributeError) as exc:
+            raise SystemExit(f"no shipped models ({exc}); pass --model PATH --draft-model PATH --eagle-head PATH")
 
     from tandem.tokenizer import Tokenizer
 
     tok = Tokenizer(model)
-    pool = repeat_prompts(tok, 16)
+    pool = repeat_prompts(tok, 16) if args.workload == "repeat" else \
+        [tok.encode(s)[:256] for s in heldout_snippets(16, 1200)]
     clock = "thread CPU time" if args.cpu_clock else "wall clock"
-    print(f"target={model}\ndraft={draft}\nthreads={torch.get_num_threads()} ({clock}) k={args.k} "
-          f"new_tokens={args.new_tokens} prompts={len(pool)} (mean {sum(map(len, pool)) / len(pool):.0f} tokens)")
+    print(f"target={model}\ndraft={draft}\neagle head={head}\nthreads={torch.get_num_threads()} ({clock}) k={args.k} "
+          f"new_tokens={args.new_tokens} workload={args.workload}\n"
+          f"prompts={len(pool)} (mean {sum(map(len, pool)) / len(pool):.0f} tokens)")
     configs = {"none": {}, "ngram": dict(speculator="ngram"),
-               "draft_model": dict(speculator="draft_model", draft_model=draft)}
+               "draft_model": dict(speculator="draft_model", draft_model=draft),
+               "eagle": dict(speculator="eagle", draft_model=head)}
     print(f"{'batch':>5} {'speculator':>12} {'decode tok/s':>13} {'speedup':>8} {'accept len':>11} {'accept rate':>12}")
     for b in (int(x) for x in args.batches.split(",")):
-        prompts = [pool[i % len(pool)] for i in range(b)]
+        prompts = [pool[i % len(pool)] for i in range(b * args.rounds)]
         base_tps, base_out = None, None
         for name, opts in configs.items():
             spec = dict(opts, num_speculative_tokens=args.k, spec_max_batch=max(b, 8)) if opts else {}
             # Best of --repeats: other jobs on the machine only ever make a run slower.
-            runs = [decode_run(model, prompts, args.new_tokens, **spec) for _ in range(args.repeats)]
+            runs = [decode_run(model, prompts, args.new_tokens, b, **spec) for _ in range(args.repeats)]
             tps, outs, stats = max(runs, key=lambda r: r[0])
             if base_out is None:
                 base_tps, base_out = tps, outs
@@ -141,14 +159,15 @@ def main() -> None:
             rate = f"{stats['acceptance_rate']:.1%}" if stats else "-"
             print(f"{b:>5} {name:>12} {tps:>13.1f} {tps / base_tps:>7.2f}x {acc:>11} {rate:>12}")
 
-    # The draft as a predictor of the target: greedy, K = 4, plain held-out text (no repetition).
+    # The draft and the head as predictors of the target: greedy, K = 4, plain held-out text (no repetition).
     plain = [tok.encode(s)[:256] for s in heldout_snippets(8, 1200)]
-    _, _, stats = decode_run(model, plain, args.new_tokens, speculator="draft_model", draft_model=draft,
-                             num_speculative_tokens=4)
-    per_pos = [a / d if d else 0.0 for a, d in zip(stats["accepted_per_position"], stats["drafted_per_position"])]
-    print(f"draft vs target, greedy, K=4, {len(plain)} held-out prompts: acceptance rate "
-          f"{stats['acceptance_rate']:.1%}, mean accepted length {stats['mean_accepted_length']:.2f}, "
-          f"per position {', '.join(f'{p:.0%}' for p in per_pos)}")
+    for name, path in (("draft_model", draft), ("eagle", head)):
+        _, _, stats = decode_run(model, plain, args.new_tokens, speculator=name, draft_model=path,
+                                 num_speculative_tokens=4)
+        per_pos = [a / d if d else 0.0 for a, d in zip(stats["accepted_per_position"], stats["drafted_per_position"])]
+        print(f"{name} vs target, greedy, K=4, {len(plain)} held-out prompts: acceptance rate "
+              f"{stats['acceptance_rate']:.1%}, mean accepted length {stats['mean_accepted_length']:.2f}, "
+              f"per position {', '.join(f'{p:.0%}' for p in per_pos)}")
 
 
 if __name__ == "__main__":

@@ -64,13 +64,7 @@ class DraftModelRunner:
         self.device, self.block_size = device, block_size
         self.model = load_model(path, dtype, device, max_model_len + k + 1)
         self.ops = get_ops(device)
-        # Room for max_seqs full-length sequences plus their drafted tail; more live requests than
-        # that only happens after speculation was off, and then stale states are dropped (see _room).
-        per_seq = -(-(max_model_len + k) // block_size)
-        num_blocks = (max_seqs + 1) * per_seq
-        shape = (num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.kv = KVCacheManager(num_blocks, block_size, LRUEviction(num_blocks), enable_caching=False)
+        self.kv_caches, self.kv = own_cache(cfg, dtype, device, block_size, max_model_len, k, max_seqs)
         self.seqs: dict[str, _DraftSeq] = {}
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -127,46 +121,74 @@ class DraftModelRunner:
 
     def _sample(self, batch: list[tuple[Request, int]], logits: torch.Tensor, tokens: dict[str, list[int]],
                 probs: dict[str, list[torch.Tensor]]) -> None:
-        if logits.shape[1] > self.vocab_size:
-            logits = logits[:, :self.vocab_size]
-        elif logits.shape[1] < self.vocab_size:
-            logits = torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[1]), value=float("-inf"))
-        greedy = logits.argmax(dim=-1).tolist()
-        for i, (r, _) in enumerate(batch):
-            if r.params.greedy:
-                tokens[r.request_id].append(greedy[i])
-                continue
-            q = filter_logits(logits[i].float().cpu(), r.params)
-            if r.generator is not None:  # drafts of a seeded request depend on its tokens alone (migration)
-                r.generator.manual_seed(position_seed(r.params.seed, r.num_tokens + len(tokens[r.request_id]), 1))
-            tokens[r.request_id].append(int(torch.multinomial(q, 1, generator=r.generator or self.generator)))
-            probs[r.request_id].append(q)
+        sample_drafts(batch, logits, tokens, probs, self.vocab_size, self.generator)
 
     def _forward(self, feed: list[tuple[Request, list[int], int]], decode: bool) -> torch.Tensor:
         """feed: (request, input tokens, position of the first). Returns logits of each last token."""
-        bs, dev = self.block_size, self.device
-        ids, positions, slots, ends, starts, lens, tables = [], [], [], [], [0], [], []
-        for r, toks, start in feed:
-            bt = self.seqs[r.request_id].block_ids
-            pos = range(start, start + len(toks))
-            ids.extend(toks)
-            positions.extend(pos)
-            slots.extend(bt[p // bs] * bs + p % bs for p in pos)
-            ends.append(len(ids) - 1)
-            starts.append(len(ids))
-            lens.append(start + len(toks))
-            tables.append(bt)
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
-        seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
-        meta = AttentionMetadata(
-            ops=self.ops, kv_caches=self.kv_caches, kv_scales=None,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_seqs=len(feed) if decode else 0, decode_query_len=1 if decode else 0,
-            decode_block_tables=table if decode else None, decode_seq_lens=seq_lens if decode else None,
-            prefill_block_tables=None if decode else table,
-            prefill_query_start_loc=None if decode else torch.tensor(starts, dtype=torch.int32, device=dev),
-            prefill_seq_lens=None if decode else seq_lens,
-        )
-        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta)
-        return self.model.compute_logits(hidden[torch.tensor(ends, device=dev)])
+        ids = [t for _, toks, _ in feed for t in toks]
+        spans = [(self.seqs[r.request_id].block_ids, start, len(toks)) for r, toks, start in feed]
+        meta, positions, ends = paged_metadata(spans, decode, self.ops, self.kv_caches, self.block_size, self.device)
+        hidden = self.model(torch.tensor(ids, device=self.device), positions, meta)
+        return self.model.compute_logits(hidden[ends])
+
+
+def own_cache(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int, max_model_len: int,
+              k: int, max_seqs: int) -> tuple[list[torch.Tensor], KVCacheManager]:
+    """A speculator's own paged KV cache (per-layer tensors) and its block manager: room for max_seqs
+    full-length sequences plus their drafted tail. More live requests than that only happens after
+    speculation was off, and then stale states are dropped (the runners' `_prepare`)."""
+    per_seq = -(-(max_model_len + k) // block_size)
+    num_blocks = (max_seqs + 1) * per_seq
+    shape = (num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+    caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+    return caches, KVCacheManager(num_blocks, block_size, LRUEviction(num_blocks), enable_caching=False)
+
+
+def sample_drafts(batch: list[tuple[Request, int]], logits: torch.Tensor, tokens: dict[str, list[int]],
+                  probs: dict[str, list[torch.Tensor]], vocab_size: int, generator: torch.Generator) -> None:
+    """Append one draft token per request of `batch` (row i of logits): the argmax for greedy requests,
+    else a draw from the request's filtered distribution, which is kept in `probs` for verification."""
+    if logits.shape[1] > vocab_size:
+        logits = logits[:, :vocab_size]
+    elif logits.shape[1] < vocab_size:
+        logits = torch.nn.functional.pad(logits, (0, vocab_size - logits.shape[1]), value=float("-inf"))
+    greedy = logits.argmax(dim=-1).tolist()
+    for i, (r, _) in enumerate(batch):
+        if r.params.greedy:
+            tokens[r.request_id].append(greedy[i])
+            continue
+        q = filter_logits(logits[i].float().cpu(), r.params)
+        if r.generator is not None:  # drafts of a seeded request depend on its tokens alone (migration)
+            r.generator.manual_seed(position_seed(r.params.seed, r.num_tokens + len(tokens[r.request_id]), 1))
+        tokens[r.request_id].append(int(torch.multinomial(q, 1, generator=r.generator or generator)))
+        probs[r.request_id].append(q)
+
+
+def paged_metadata(spans: list[tuple[list[int], int, int]], decode: bool, ops, kv_caches: list[torch.Tensor],
+                   block_size: int, device: torch.device) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+    """Attention metadata of one pass over a speculator's own paged cache. spans: (block table, position
+    of the first new token, number of new tokens) per sequence, all the same number (at most 16) if
+    `decode`. Returns the metadata, the positions of every token and the index of each sequence's last
+    token."""
+    slots, positions, ends, starts, lens, tables = [], [], [], [0], [], []
+    for bt, start, n in spans:
+        pos = range(start, start + n)
+        positions.extend(pos)
+        slots.extend(bt[p // block_size] * block_size + p % block_size for p in pos)
+        ends.append(len(positions) - 1)
+        starts.append(len(positions))
+        lens.append(start + n)
+        tables.append(bt)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    meta = AttentionMetadata(
+        ops=ops, kv_caches=kv_caches, kv_scales=None,
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        num_decode_seqs=len(spans) if decode else 0, decode_query_len=spans[0][2] if decode else 0,
+        decode_block_tables=table if decode else None, decode_seq_lens=seq_lens if decode else None,
+        prefill_block_tables=None if decode else table,
+        prefill_query_start_loc=None if decode else torch.tensor(starts, dtype=torch.int32, device=device),
+        prefill_seq_lens=None if decode else seq_lens,
+    )
+    return meta, torch.tensor(positions, device=device), torch.tensor(ends, device=device)

@@ -1,5 +1,6 @@
-"""Built-in speculators: `ngram` (prompt lookup) and `draft_model` (a small checkpoint run by tandem's
-own model code; the machinery lives in plugins/draft_model.py).
+"""Built-in speculators: `ngram` (prompt lookup), `draft_model` (a small checkpoint run by tandem's
+own model code; the machinery lives in plugins/draft_model.py) and `eagle` (a draft head over the
+target's own hidden states; plugins/eagle.py).
 
 The interface and its contract with the engine are in `tandem.engine.interfaces.speculator`
 (`Speculator`, `SpeculatorContext`, re-exported here under their old `plugins.speculators.*` names for
@@ -11,11 +12,13 @@ from __future__ import annotations
 from array import array
 from typing import Sequence
 
+import torch
+
 from tandem.engine.interfaces.speculator import Speculator, SpeculatorContext
 from tandem.engine.request import Request
 
-__all__ = ["BUILTIN_SPECULATORS", "SPECULATORS", "DraftModelSpeculator", "NgramSpeculator", "Speculator",
-           "SpeculatorContext", "ngram_lookup"]
+__all__ = ["BUILTIN_SPECULATORS", "SPECULATORS", "DraftModelSpeculator", "EagleSpeculator", "NgramSpeculator",
+           "Speculator", "SpeculatorContext", "ngram_lookup"]
 
 
 class NgramSpeculator(Speculator):
@@ -83,6 +86,40 @@ class DraftModelSpeculator(Speculator):
         self.runner.release(request_id)
 
 
+class EagleSpeculator(Speculator):
+    """An EAGLE head (--draft-model DIR, default: the shipped head for the shipped target) drafts k
+    tokens from the target's final hidden states, with its own paged cache (see plugins/eagle.py)."""
+
+    wants_hidden_states = True
+
+    def __init__(self, ctx: SpeculatorContext) -> None:
+        super().__init__(ctx)
+        from plugins.eagle import EagleRunner  # loads torch model code only when chosen
+
+        cfg = ctx.config
+        if not cfg.draft_model:
+            raise ValueError("the eagle speculator needs --draft-model PATH (an EAGLE head checkpoint directory)")
+        if ctx.target is None:
+            raise ValueError("the eagle speculator reads the target model's hidden states: it needs ctx.target")
+        self.runner = EagleRunner(
+            cfg.draft_model, target=ctx.target, target_config=ctx.model_config, dtype=ctx.dtype,
+            device=ctx.device, block_size=cfg.block_size, max_model_len=ctx.max_model_len, k=self.k,
+            max_seqs=cfg.spec_max_batch, seed=cfg.seed)
+
+    def propose(self, requests: Sequence[Request]) -> dict[str, list[int]]:
+        todo = [(r, k) for r in requests if (k := self.num_to_propose(r)) > 0]
+        tokens, probs = self.runner.propose([r for r, _ in todo], [k for _, k in todo])
+        self.draft_probs = probs
+        return tokens
+
+    def observe_hidden_states(self, hidden: dict[str, tuple[int, torch.Tensor]]) -> None:
+        self.runner.observe(hidden)
+
+    def on_request_finished(self, request_id: str) -> None:
+        self.runner.release(request_id)
+
+
 # Published through the `tandem_speculators()` hook by plugins/builtin.py (which reads SPECULATORS).
-BUILTIN_SPECULATORS: dict[str, type[Speculator]] = {"ngram": NgramSpeculator, "draft_model": DraftModelSpeculator}
+BUILTIN_SPECULATORS: dict[str, type[Speculator]] = {"ngram": NgramSpeculator, "draft_model": DraftModelSpeculator,
+                                                    "eagle": EagleSpeculator}
 SPECULATORS = BUILTIN_SPECULATORS

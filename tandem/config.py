@@ -29,7 +29,8 @@ class EngineConfig:
     role: str = "both"
     seed: int = 0
     # Speculative decoding (plugins/speculators.py): a speculator name, tokens proposed per step,
-    # the draft checkpoint for `draft_model`, and the running-batch size above which it switches off.
+    # the draft checkpoint for `draft_model` (or the head for `eagle`), and the running-batch size
+    # above which it switches off.
     speculator: str | None = None
     num_speculative_tokens: int = 4
     draft_model: str | None = None
@@ -58,6 +59,10 @@ class EngineConfig:
             from tandem.default_model import default_draft_path  # the shipped draft pairs the shipped target
 
             self.draft_model = default_draft_path()
+        if self.speculator == "eagle" and not self.draft_model:
+            from tandem.default_model import default_eagle_path  # the shipped head reads the shipped target
+
+            self.draft_model = default_eagle_path()
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
 

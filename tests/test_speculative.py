@@ -258,7 +258,7 @@ def test_cli_flags_and_builtins():
     cfg = engine_config_from_args(args, model="/m")
     got = (cfg.speculator, cfg.num_speculative_tokens, cfg.draft_model, cfg.spec_max_batch)
     assert got == ("draft_model", 3, "/d", 4)
-    assert set(BUILTIN_SPECULATORS) == {"ngram", "draft_model"}
+    assert set(BUILTIN_SPECULATORS) == {"ngram", "draft_model", "eagle"}
 
 
 def test_greedy_matches_transformers_with_llama3_rope_and_draft(tmp_path):

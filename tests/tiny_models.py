@@ -93,3 +93,33 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
                                  eos_token_id=None, pad_token_id=0)
             outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+def make_eagle_head(path: str, target: str, seed: int = 0, scale: float = 0.1, **overrides) -> str:
+    """A random EAGLE head (vLLM names: fc.weight, layers.0.*; no input_layernorm) for the target
+    checkpoint at `target`; `overrides` change its config (e.g. a wrong hidden_size)."""
+    from safetensors.torch import save_file
+
+    with open(os.path.join(target, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(architectures=["EagleLlamaForCausalLM"], num_hidden_layers=1, **overrides)
+    hid, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    dim = cfg.get("head_dim") or hid // heads
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    attn, mlp = "layers.0.self_attn.", "layers.0.mlp."
+    weights = {"fc.weight": rand(hid, 2 * hid), attn + "q_proj.weight": rand(heads * dim, hid),
+               attn + "k_proj.weight": rand(kv * dim, hid), attn + "v_proj.weight": rand(kv * dim, hid),
+               attn + "o_proj.weight": rand(hid, heads * dim),
+               "layers.0.post_attention_layernorm.weight": torch.ones(hid),
+               mlp + "gate_proj.weight": rand(inter, hid), mlp + "up_proj.weight": rand(inter, hid),
+               mlp + "down_proj.weight": rand(hid, inter)}
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    save_file(weights, os.path.join(path, "model.safetensors"))
+    return path

@@ -14,9 +14,10 @@ _HELP = {
     "kv_cache_dtype": "KV cache storage: auto | fp8_e4m3 | int8",
     "max_model_len": "longest sequence (prompt + output) in tokens",
     "eviction": "prefix-cache eviction policy (see `tandem plugins`)",
-    "speculator": "speculative decoding: ngram | draft_model | a plugin's name (default: off)",
+    "speculator": "speculative decoding: ngram | draft_model | eagle | a plugin's name (default: off)",
     "num_speculative_tokens": "tokens proposed per step when speculating (1-15)",
-    "draft_model": "draft checkpoint for --speculator draft_model (default: the built-in draft model)",
+    "draft_model": ("draft checkpoint for --speculator draft_model, or EAGLE head directory for --speculator eagle "
+                    "(default: the built-in draft model / head)"),
     "spec_max_batch": "speculate only while at most this many requests are running",
     "max_num_seqs": "most requests in one continuous batch",
     "max_num_batched_tokens": "token budget of one step (chunked-prefill chunk size)",

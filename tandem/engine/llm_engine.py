@@ -103,8 +103,10 @@ class LLMEngine:
         from tandem.engine.strategies import resolve_speculator
 
         cls = resolve_speculator(self.config.speculator)
-        return cls(SpeculatorContext(self.config, self.model_config, self.max_model_len,
-                                     self.config.torch_device, self.config.torch_dtype))
+        spec = cls(SpeculatorContext(self.config, self.model_config, self.max_model_len,
+                                     self.config.torch_device, self.config.torch_dtype, target=self.runner))
+        self.runner.keep_hidden = spec.wants_hidden_states
+        return spec
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -269,6 +271,8 @@ class LLMEngine:
         if run.empty:
             return outputs
         result = self.runner.execute(run)
+        if result.hidden:  # before `update`, so a request finishing this step is dropped after it
+            self.speculator.observe_hidden_states(result.hidden)  # type: ignore[union-attr]
         roots = self.beams.take_roots(result.sampled) if self.beams.groups else []
         before = {s.request.request_id: s.request.num_tokens for s in out.scheduled}
         if self.speculator is not None:

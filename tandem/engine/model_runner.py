@@ -8,7 +8,7 @@ returned per request id, so the order never leaks out.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -27,6 +27,9 @@ MAX_DECODE_QUERY_LEN = 16  # larger uniform query lengths go through the varlen 
 class StepResult:
     sampled: dict[str, list[int]]
     logits: dict[str, torch.Tensor]  # the rows sampled from, per request (kept for logprobs/speculation)
+    # With `keep_hidden`: request id -> (position of its first row, final hidden states [n, H]) of every
+    # token the step computed, speculated ones included (an EAGLE head drafts from them).
+    hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -47,6 +50,7 @@ class ModelRunner:
         # each step (absent = deterministic proposal); `_sample` verifies and counts.
         self.draft_probs: dict[str, torch.Tensor] = {}
         self.spec_stats = spec_decode.SpecStats()
+        self.keep_hidden = False  # set by the engine when its speculator reads the target's hidden states
 
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -54,10 +58,11 @@ class ModelRunner:
         decode_q, decode = _decode_group(out.scheduled)
         in_decode = {id(s) for s in decode}
         prefill = [s for s in out.scheduled if id(s) not in in_decode]
-        input_ids, positions, slots, sample_rows = [], [], [], []
+        input_ids, positions, slots, sample_rows, spans = [], [], [], [], []
         bs = self.block_size
         for s in decode + prefill:
             r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            spans.append((r.request_id, start, len(input_ids), n))
             toks = r.token_ids[start:start + n]
             if len(toks) < n:  # speculated tokens are not part of token_ids until accepted
                 toks = toks + s.spec_token_ids[: n - len(toks)]
@@ -83,11 +88,15 @@ class ModelRunner:
         )
         plain_masks = self._start_masks(sample_rows)  # grammar masks are computed while the model runs
         hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
+        # Copies, so a speculator holding a few rows does not keep the whole step's tensor alive.
+        kept = {rid: (start, hidden[row:row + n].clone()) for rid, start, row, n in spans} if self.keep_hidden else {}
         if not sample_rows:
-            return StepResult({}, {})
+            return StepResult({}, {}, kept)
         idx = torch.tensor([i for _, start, k in sample_rows for i in range(start, start + k)], device=dev)
         logits = self.model.compute_logits(hidden[idx])
-        return self._sample(sample_rows, logits, plain_masks)
+        result = self._sample(sample_rows, logits, plain_masks)
+        result.hidden = kept
+        return result
 
     @staticmethod
     def _start_masks(sample_rows: list[tuple[ScheduledRequest, int, int]]) -> Any:
@@ -160,10 +169,10 @@ class ModelRunner:
         return [row[t] for row, t in zip(self.prompt_logprobs(token_ids, 0), token_ids[1:])]
 
     @torch.inference_mode()
-    def prompt_logprobs(self, token_ids: list[int], top_n: int) -> list[dict[int, float]]:
-        """For each token after the first: {token: logprob given its prefix} for it and the top_n most
-        likely tokens there. One cache-free pass over the prompt (no KV block is touched), so it is the
-        same whether the prompt's KV came from the prefix cache, a chunked prefill or a prefill worker."""
+    def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
+        """The final hidden states [n, H] of a token sequence, in one cache-free pass (no KV block is
+        touched): for prompt log-probs, and for a speculator whose target states were never computed
+        here (a prefix-cache hit, a prompt prefilled by another worker)."""
         n = len(token_ids)
         meta = AttentionMetadata(
             ops=self.ops, kv_caches=self.kv_caches, kv_scales=self.kv_scales,
@@ -173,8 +182,16 @@ class ModelRunner:
             prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
             prefill_seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
         )
+        return self.model(torch.tensor(token_ids, device=self.device), torch.arange(n, device=self.device), meta)
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: list[int], top_n: int) -> list[dict[int, float]]:
+        """For each token after the first: {token: logprob given its prefix} for it and the top_n most
+        likely tokens there. One cache-free pass over the prompt (no KV block is touched), so it is the
+        same whether the prompt's KV came from the prefix cache, a chunked prefill or a prefill worker."""
+        n = len(token_ids)
         ids = torch.tensor(token_ids, device=self.device)
-        hidden = self.model(ids, torch.arange(n, device=self.device), meta)
+        hidden = self.hidden_states(token_ids)
         rows: list[dict[int, float]] = []
         for start in range(0, n - 1, 256):  # [256, vocab] logits at a time, not [n, vocab]
             logp = torch.log_softmax(self.model.compute_logits(hidden[start:min(start + 256, n - 1)]).float(), dim=-1)

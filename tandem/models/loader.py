@@ -37,11 +37,8 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
-    cfg = ModelConfig.from_dir(path)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
-    params = dict(model.named_parameters())
+def read_weights(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory under tandem's names (q/k/v and gate/up fused)."""
     loaded: dict[str, torch.Tensor] = {}
     pending: dict[str, dict[int, torch.Tensor]] = {}
     for file in safetensors_files(path):
@@ -56,6 +53,15 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_position
         if len(parts) != want:
             raise ValueError(f"checkpoint has only part of the fused weight {name}")
         loaded[name] = torch.cat([parts[i] for i in range(want)])
+    return loaded
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
+    cfg = ModelConfig.from_dir(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions)
+    params = dict(model.named_parameters())
+    loaded = read_weights(path, cfg)
     missing = sorted(set(params) - set(loaded) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
     unexpected = sorted(set(loaded) - set(params))
     if missing or unexpected:

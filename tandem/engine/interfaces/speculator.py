@@ -10,21 +10,28 @@ Contract with the engine (tandem/engine/llm_engine.py):
    deterministic proposal (a point mass).
 4. `on_request_finished(request_id)` drops per-request state. There is no acceptance callback: the
    next `propose` sees the accepted tokens in `req.token_ids`, which is the only truth to sync to.
+5. A speculator with `wants_hidden_states = True` gets, after every forward pass, the target's final
+   hidden states of each token the pass computed (`observe_hidden_states`), speculated ones included:
+   rows past `req.num_tokens - 2` once the step is applied belong to rejected tokens. Positions it never
+   saw (a prefix-cache hit, a prompt prefilled elsewhere) it can recompute with `ctx.target.hidden_states`.
 
-Implementations: plugins/speculators.py (`ngram`, `draft_model`) or a third-party plugin.
+Implementations: plugins/speculators.py (`ngram`, `draft_model`, `eagle`) or a third-party plugin.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.request import Request
 from tandem.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from tandem.engine.model_runner import ModelRunner
 
 
 @dataclass(slots=True)
@@ -36,10 +43,14 @@ class SpeculatorContext:
     max_model_len: int
     device: torch.device
     dtype: torch.dtype
+    # The target's runner: its model (embedding and lm_head, shared, never copied) and `hidden_states`.
+    target: "ModelRunner | None" = None
 
 
 class Speculator(ABC):
     """Proposes up to k tokens per decoding request, batched over the running requests."""
+
+    wants_hidden_states = False  # True: the engine calls observe_hidden_states after each forward pass
 
     def __init__(self, ctx: SpeculatorContext) -> None:
         self.ctx = ctx
@@ -56,3 +67,7 @@ class Speculator(ABC):
 
     def on_request_finished(self, request_id: str) -> None:  # noqa: B027 (optional hook)
         """The request finished or was aborted: free anything held for it."""
+
+    def observe_hidden_states(self, hidden: dict[str, tuple[int, torch.Tensor]]) -> None:  # noqa: B027
+        """request id -> (position of the first row, the target's final hidden states [n, H]) of the
+        tokens one forward pass computed; called only if `wants_hidden_states`."""

@@ -1,0 +1,157 @@
+"""EagleRunner: the `eagle` speculator's machinery — an EAGLE head (tandem/models/eagle.py) drafting
+from the target's own final hidden states, with its own paged KV cache kept in step with each request.
+
+Head position p pairs the target's hidden state f[p] with the token t[p+1] (see tandem/models/eagle.py),
+so after a request's tokens t[0..n-1] the head needs f[0..n-2]: exactly the states the target computed
+for tokens that are now accepted. Per request it remembers how many head positions hold KV made from
+real target states (`num_computed_tokens`) and the target states it has not consumed yet (handed over
+by the engine after every forward pass: `observe`). One proposal of k tokens is k batched passes:
+
+1. catch-up: the head positions from `num_computed_tokens` to n-2, from real target states; its last
+   row's output (a predicted f[n-1]) gives the first draft token through the target's lm_head;
+2. k-1 single-token passes, each feeding the previous draft token with the head's own predicted state.
+
+Drafted positions hold KV made from *predicted* states, so they are never kept: the next proposal
+recomputes them from the real states the verification pass produced (EAGLE's rule). Target states
+the engine never computed here — a prefix-cache hit, a prompt prefilled by a prefill worker, state
+dropped for room or because too many piled up — are recomputed with one cache-free target pass over
+the prefix (`num_recomputes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels import get_ops
+from plugins.draft_model import own_cache, paged_metadata, sample_drafts
+from tandem.engine.model_runner import MAX_DECODE_QUERY_LEN
+from tandem.engine.request import Request
+from tandem.models.config import ModelConfig
+from tandem.models.eagle import load_head
+
+if TYPE_CHECKING:
+    from tandem.engine.model_runner import ModelRunner
+
+# Target states held per request at most: a request that is not speculated for a long time (batch
+# above spec_max_batch, a long chunked prompt) would otherwise pile up [tokens, hidden] floats.
+MAX_HELD_STATES = 4096
+
+
+@dataclass(slots=True)
+class _HeadSeq:
+    """The head cache's view of one request; duck-types what KVCacheManager reads off a Request."""
+
+    num_computed_tokens: int = 0  # head positions whose KV was made from the target's real hidden states
+    block_ids: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    feat_start: int = 0  # position of features[0]
+    features: torch.Tensor | None = None  # the target's final hidden states from feat_start on
+
+
+class EagleRunner:
+    def __init__(self, path: str, *, target: "ModelRunner", target_config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device, block_size: int, max_model_len: int, k: int, max_seqs: int,
+                 seed: int = 0) -> None:
+        self.head = load_head(path, target_config, dtype, device, max_model_len + k + 1)
+        self.target = target
+        self.embed = target.model.model.embed_tokens  # shared with the target, never copied
+        self.vocab_size = target_config.vocab_size
+        self.device, self.block_size = device, block_size
+        self.ops = get_ops(device)
+        self.kv_caches, self.kv = own_cache(self.head.config, dtype, device, block_size, max_model_len, k, max_seqs)
+        self.seqs: dict[str, _HeadSeq] = {}
+        self.generator = torch.Generator().manual_seed(seed)
+        self.num_recomputes = 0  # catch-ups whose target states had to be recomputed (see module doc)
+        self.max_held_states = MAX_HELD_STATES
+
+    def release(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.kv.free(seq)  # type: ignore[arg-type]  (duck-typed Request)
+
+    def observe(self, hidden: dict[str, tuple[int, torch.Tensor]]) -> None:
+        """The target's final hidden states of one forward pass: rows for positions start.. of each request."""
+        for rid, (start, rows) in hidden.items():
+            seq = self.seqs.setdefault(rid, _HeadSeq())
+            f = seq.features
+            if f is not None and seq.feat_start <= start <= seq.feat_start + len(f):
+                # Continues (or rewrites the rejected tail of) what is held: rows from `start` on are new.
+                seq.features = torch.cat([f[:start - seq.feat_start], rows])
+            else:  # a gap (prefix-cache hit) or a restart from 0 (preemption): what is held is no use
+                seq.feat_start, seq.features = start, rows
+            if len(seq.features) > self.max_held_states:
+                seq.features = None  # recomputed if the request is speculated again
+
+    # ---- proposing -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], ks: list[int]) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:
+        """Draft ks[i] tokens after each request's token_ids; also the [k, V] distributions sampled
+        from, for requests with temperature > 0."""
+        wanted = {r.request_id for r in requests}
+        batch = [(r, k) for r, k in zip(requests, ks) if self._prepare(r, k, wanted)]
+        if not batch:
+            return {}, {}
+        tokens: dict[str, list[int]] = {r.request_id: [] for r, _ in batch}
+        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in batch if not r.params.greedy}
+        # Pass 1: head positions num_computed..n-2 from the target's real states.
+        feed = []
+        for r, _ in batch:
+            c, n = self.seqs[r.request_id].num_computed_tokens, r.num_tokens
+            feed.append((r, r.token_ids[c + 1:n], self._features(r, c, n - 1), c))
+        # Equal short catch-ups (always so at batch 1) attend from the cache like the target's verification
+        # rows do: the decode path is cheaper than the varlen prefill one.
+        lens = {len(toks) for _, toks, _, _ in feed}
+        state = self._forward(feed, decode=len(lens) == 1 and lens.pop() <= MAX_DECODE_QUERY_LEN)
+        sample_drafts(batch, self.target.model.compute_logits(state), tokens, probs, self.vocab_size, self.generator)
+        last = {r.request_id: state[i:i + 1] for i, (r, _) in enumerate(batch)}
+        # Passes 2..k: the previous draft token with the head's own prediction of the state before it.
+        for step in range(1, max(k for _, k in batch)):
+            live = [(r, k) for r, k in batch if k > step]
+            feed = [(r, tokens[r.request_id][-1:], last[r.request_id], r.num_tokens - 2 + step) for r, _ in live]
+            state = self._forward(feed, decode=True)
+            sample_drafts(live, self.target.model.compute_logits(state), tokens, probs, self.vocab_size,
+                          self.generator)
+            last.update((r.request_id, state[i:i + 1]) for i, (r, _) in enumerate(live))
+        for r, _ in batch:
+            seq, n = self.seqs[r.request_id], r.num_tokens
+            seq.num_computed_tokens = n - 1
+            # Keep f[n-2]: if the next proposal comes before a verification, it re-feeds position n-2.
+            if seq.features is not None:
+                seq.features = seq.features[n - 2 - seq.feat_start:n - 1 - seq.feat_start]
+                seq.feat_start = n - 2
+        return tokens, {rid: torch.stack(rows) for rid, rows in probs.items()}
+
+    def _prepare(self, req: Request, k: int, wanted: set[str]) -> bool:
+        """Apply the catch-up rule to req's head state and reserve slots for this proposal."""
+        seq = self.seqs.setdefault(req.request_id, _HeadSeq())
+        # At least position n-2 is fed again: its output gives the first draft token.
+        seq.num_computed_tokens = min(seq.num_computed_tokens, req.num_tokens - 2)
+        need = req.num_tokens + k - 2 - seq.num_computed_tokens  # positions up to n+k-3
+        if self.kv.allocate(seq, need):  # type: ignore[arg-type]
+            return True
+        for rid in [rid for rid in self.seqs if rid not in wanted]:
+            self.release(rid)  # stale state of requests not speculated right now
+        return self.kv.allocate(seq, need)  # type: ignore[arg-type]
+
+    def _features(self, req: Request, lo: int, hi: int) -> torch.Tensor:
+        """The target's final hidden states of positions [lo, hi) of req: held, or recomputed."""
+        seq = self.seqs[req.request_id]
+        f = seq.features
+        if f is None or not seq.feat_start <= lo or seq.feat_start + len(f) < hi:
+            self.num_recomputes += 1
+            seq.feat_start, seq.features = 0, self.target.hidden_states(req.token_ids[:hi])
+            f = seq.features
+        return f[lo - seq.feat_start:hi - seq.feat_start]
+
+    def _forward(self, feed: list[tuple[Request, list[int], torch.Tensor, int]], decode: bool) -> torch.Tensor:
+        """feed: (request, input tokens, target states paired with them, position of the first).
+        Returns the head's output (a predicted next target state) at each request's last token."""
+        ids = torch.tensor([t for _, toks, _, _ in feed for t in toks], device=self.device)
+        spans = [(self.seqs[r.request_id].block_ids, start, len(toks)) for r, toks, _, start in feed]
+        meta, positions, ends = paged_metadata(spans, decode, self.ops, self.kv_caches, self.block_size, self.device)
+        out = self.head(self.embed(ids), torch.cat([f for _, _, f, _ in feed]), positions, meta)
+        return out[ends]
