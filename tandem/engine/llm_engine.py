@@ -21,8 +21,6 @@ import itertools
 import os
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from kvtransfer.base import allocate_kv_caches
 from tandem.config import EngineConfig
 from tandem.engine import spec_decode
@@ -32,16 +30,17 @@ from tandem.engine.kv_cache_manager import KVCacheManager, release_window
 from tandem.engine.kv_connector import KVConnector
 from tandem.engine.kv_layout import KVAllocator, cache_layout
 from tandem.engine.model_runner import ModelRunner
+from tandem.engine.output_builder import OutputBuilder
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.strategies import resolve_eviction, resolve_quantizer
 from tandem.models.config import ModelConfig
-from tandem.outputs import CompletionOutput, RequestOutput
+from tandem.outputs import RequestOutput
 from tandem.sampling_params import BeamSearchParams, SamplingParams
-from tandem.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from tandem.engine.interfaces.speculator import Speculator
+    pass
 
 _MAX_MODEL_LEN_DEFAULT_CAP = 8192
 
@@ -86,27 +85,13 @@ class LLMEngine:
         self.eos_token_ids = set(model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._text: dict[str, str] = {}
+        self.outputs = OutputBuilder(self.tokenizer, self.scheduler.finish)
         self._ids = itertools.count()
         self.current_schedule = None
         self.kv_connector = KVConnector()
-        self.speculator = self._make_speculator()
+        self.speculator = spec_decode.build_speculator(config, model_cfg, self.max_model_len, self.runner)
         self.spec_active = self.speculator is not None  # dynamic: off while the batch > spec_max_batch
         self.spec_switches = 0
-
-    def _make_speculator(self) -> "Speculator | None":
-        """Resolve the speculator by name once (never per step) and build it."""
-        if self.config.speculator is None:
-            return None
-        from tandem.engine.interfaces.speculator import SpeculatorContext
-        from tandem.engine.strategies import resolve_speculator
-
-        cls = resolve_speculator(self.config.speculator)
-        spec = cls(SpeculatorContext(self.config, self.model_config, self.max_model_len,
-                                     self.config.torch_device, self.config.torch_dtype, target=self.runner))
-        self.runner.keep_hidden = spec.wants_hidden_states
-        return spec
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -210,8 +195,7 @@ class LLMEngine:
                 "preemptions": sched.num_preemptions, "kv_invariant_ok": invariant_ok}
 
     def track(self, req: Request) -> None:
-        self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
-        self._text[req.request_id] = ""
+        self.outputs.track(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         beams = self.beams.abort(request_id)
@@ -277,44 +261,22 @@ class LLMEngine:
         before = {s.request.request_id: s.request.num_tokens for s in out.scheduled}
         if self.speculator is not None:
             spec_decode.cut_runs_at_stop_strings(result.sampled, result.logits, self.scheduler.requests,
-                                                 self._detok, self._text)
+                                                 self.outputs.detok, self.outputs.text)
         changed = self.scheduler.update(out, result.sampled)
         for req in changed:
             new_ids = req.token_ids[before[req.request_id]:]
             if req.logprobs is not None:
-                self._record_logprobs(req, result.logits[req.request_id], new_ids)
+                self.outputs.record_logprobs(req, result.logits[req.request_id], new_ids)
             outputs.append(self._output(req, new_ids))
         if beam_rows or roots:
             outputs += self.beams.advance(beam_rows, roots, result.logits)
         return outputs
 
     def _speculate(self) -> None:
-        """Ask the speculator for proposals for the decoding requests; they ride along in this step's
-        schedule (num_new_tokens = 1 + k) and the runner verifies them."""
-        running = self.scheduler.running
-        # Proposals live one step: a request the token budget skipped must not carry old tokens
-        # whose draft distributions are gone (they would be verified as point masses).
-        self.runner.draft_probs = {}
-        for r in running:
-            r.spec_token_ids = []
-        active = len(running) <= self.config.spec_max_batch
+        active = spec_decode.attach_proposals(self.speculator, self.scheduler.running, self.runner,  # type: ignore[arg-type]
+                                              self.config.spec_max_batch)
         if active != self.spec_active:
             self.spec_active, self.spec_switches = active, self.spec_switches + 1
-        if not active:
-            return
-        spec = self.speculator
-        # Decoding = everything but the last sampled token is computed (not mid-prefill).
-        reqs = [r for r in running if r.num_computed_tokens == r.num_tokens - 1 and spec.num_to_propose(r) > 0]
-        if not reqs:
-            return
-        proposals = spec.propose(reqs)
-        probs = {}
-        for r in reqs:
-            toks = proposals.get(r.request_id, [])[:spec.num_to_propose(r)]
-            r.spec_token_ids = toks
-            if toks and r.request_id in spec.draft_probs:
-                probs[r.request_id] = spec.draft_probs[r.request_id][:len(toks)]
-        self.runner.draft_probs = probs
 
     def speculator_stats(self) -> dict:
         """Speculative decoding counters (for the metrics endpoint); {} without a speculator."""
@@ -323,49 +285,13 @@ class LLMEngine:
         return {"speculator": self.config.speculator, "num_speculative_tokens": self.config.num_speculative_tokens,
                 "active": self.spec_active, "num_switches": self.spec_switches, **self.runner.spec_stats.as_dict()}
 
-    def _record_logprobs(self, req: Request, logits: torch.Tensor, new_ids: list[int]) -> None:
-        from tandem.engine.sampler import top_logprobs
-
-        for row, tok in zip(logits[-len(new_ids):], new_ids):
-            req.logprobs.append(top_logprobs(row, [tok], req.params.logprobs))
-
     def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
-        rid = req.request_id
-        detok = self._detok.get(rid)
-        delta = ""
-        if detok is not None:
-            text_ids = [t for t in new_ids if not (req.finished and t == req.stop_reason)]
-            delta = detok.add(text_ids, final=req.finished)
-            delta = self._apply_stop_strings(req, delta)
-        text = self._text.get(rid, "")
+        out = self.outputs.build(req, new_ids)
         if req.finished:
             self.kv_connector.request_finished(req)
             if self.speculator is not None:
-                self.speculator.on_request_finished(rid)
-            self._detok.pop(rid, None)
-            self._text.pop(rid, None)
-        # A copy: an output made before this step's compute (a remote first token) must not see the
-        # entries the compute appends.
-        logprobs = list(req.logprobs) if req.logprobs is not None else None
-        completion = CompletionOutput(text, req.output_token_ids, req.finish_reason, req.stop_reason, logprobs)
-        return RequestOutput(rid, req.prompt_token_ids, [completion], req.finished,
-                             max(req.num_cached_tokens, 0), delta, new_ids, req.prompt_logprobs)
-
-    def _apply_stop_strings(self, req: Request, delta: str) -> str:
-        rid = req.request_id
-        before = self._text.get(rid, "")
-        text = before + delta
-        stops = req.params.stop
-        if stops and not req.finished:
-            lookback = max(len(before) - max(len(s) for s in stops) + 1, 0)
-            hits = [(text.find(s, lookback), s) for s in stops if text.find(s, lookback) >= 0]
-            if hits:
-                pos, s = min(hits)
-                text = text[:pos]
-                req.stop_reason = s
-                self.scheduler.finish(req, "stop")
-        self._text[rid] = text
-        return text[len(before):]
+                self.speculator.on_request_finished(req.request_id)
+        return out
 
     def check_invariants(self) -> None:
         self.kv.check_invariants(self.scheduler.live_requests() + self.beams.live_requests())

@@ -1,4 +1,6 @@
-"""Speculative decoding verification: which speculated tokens a request keeps, and its counters.
+"""Speculative decoding in the engine: building the speculator, attaching its proposals to the
+decoding requests of a step, and verification — which speculated tokens a request keeps, and its
+counters.
 
 One target forward pass scores k+1 positions of a request (its last real token followed by the k
 speculated ones); row i holds the target's logits for the token after position i. Verification is
@@ -19,12 +21,16 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from tandem.engine.request import Request
 from tandem.engine.sampler import filter_logits
 from tandem.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.engine.interfaces.speculator import Speculator
 
 
 def greedy_verify(target_argmax: list[int], draft: list[int]) -> list[int]:
@@ -142,3 +148,43 @@ def cut_runs_at_stop_strings(sampled: dict[str, list[int]], logits: dict[str, to
                 sampled[rid] = run[:i + 1]
                 logits[rid] = logits[rid][:i + 1]
                 break
+
+
+def build_speculator(config: Any, model_config: Any, max_model_len: int, runner: Any) -> "Speculator | None":
+    """Resolve the speculator by name once (never per step) and build it; None without one."""
+    if config.speculator is None:
+        return None
+    from tandem.engine.interfaces.speculator import SpeculatorContext
+    from tandem.engine.strategies import resolve_speculator
+
+    cls = resolve_speculator(config.speculator)
+    spec = cls(SpeculatorContext(config, model_config, max_model_len, config.torch_device, config.torch_dtype,
+                                 target=runner))
+    runner.keep_hidden = spec.wants_hidden_states
+    return spec
+
+
+def attach_proposals(spec: "Speculator", running: Sequence[Request], runner: Any, max_batch: int) -> bool:
+    """Ask the speculator for proposals for the decoding requests; they ride along in this step's
+    schedule (num_new_tokens = 1 + k) and the runner verifies them. Returns whether speculation is
+    on: off while more than `max_batch` requests run (verification would cost more than it saves)."""
+    # Proposals live one step: a request the token budget skipped must not carry old tokens
+    # whose draft distributions are gone (they would be verified as point masses).
+    runner.draft_probs = {}
+    for r in running:
+        r.spec_token_ids = []
+    if len(running) > max_batch:
+        return False
+    # Decoding = everything but the last sampled token is computed (not mid-prefill).
+    reqs = [r for r in running if r.num_computed_tokens == r.num_tokens - 1 and spec.num_to_propose(r) > 0]
+    if not reqs:
+        return True
+    proposals = spec.propose(reqs)
+    probs = {}
+    for r in reqs:
+        toks = proposals.get(r.request_id, [])[:spec.num_to_propose(r)]
+        r.spec_token_ids = toks
+        if toks and r.request_id in spec.draft_probs:
+            probs[r.request_id] = spec.draft_probs[r.request_id][:len(toks)]
+    runner.draft_probs = probs
+    return True
