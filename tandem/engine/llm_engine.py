@@ -141,7 +141,8 @@ class LLMEngine:
             raise TypeError("params must be a BeamSearchParams")
         params.validate()
         if self.speculator is not None:
-            raise ValueError("beam search is not served by an engine with a speculator")
+            raise ValueError(f"use_beam_search: beam search is not served by an engine with a speculator "
+                             f"({self.config.speculator!r}); serve it from workers started without --speculator")
         req = self.make_request(request_id, prompt, SamplingParams(max_tokens=params.max_tokens, temperature=0.0,
                                                                    ignore_eos=params.ignore_eos))
         # Worst case (no block shared): every hypothesis as long as the prompt plus max_tokens.
