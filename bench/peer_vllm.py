@@ -227,6 +227,9 @@ def main() -> None:
         report["b1_ratio"] = t["b1_tok_s"] / v["b1_tok_s"]
         report["greedy_agree"] = len(agree)
         report["first_divergence"] = [f for f in firsts if f is not None]
+        # the diverging requests themselves, to check each engine against transformers
+        report["diverging"] = [{"request": i, "prompt": work[i][0], "tandem": t["tokens"][i], "vllm": v["tokens"][i],
+                                "first": f} for i, f in enumerate(firsts) if f is not None]
         print(f"tandem / vLLM: offline {report['offline_ratio']:.2f}x, batch-1 decode {report['b1_ratio']:.2f}x; "
               f"greedy tokens agree on {len(agree)}/{len(work)} requests"
               + (f" (others diverge at output token {report['first_divergence']})" if len(agree) < len(work) else ""))
