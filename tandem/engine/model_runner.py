@@ -62,7 +62,8 @@ class ModelRunner:
         bs = self.block_size
         for s in decode + prefill:
             r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            spans.append((r.request_id, start, len(input_ids), n))
+            if self.keep_hidden:  # only a speculator that reads hidden states pays for this, per row
+                spans.append((r.request_id, start, len(input_ids), n))
             toks = r.token_ids[start:start + n]
             if len(toks) < n:  # speculated tokens are not part of token_ids until accepted
                 toks = toks + s.spec_token_ids[: n - len(toks)]
@@ -89,7 +90,7 @@ class ModelRunner:
         plain_masks = self._start_masks(sample_rows)  # grammar masks are computed while the model runs
         hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
         # Copies, so a speculator holding a few rows does not keep the whole step's tensor alive.
-        kept = {rid: (start, hidden[row:row + n].clone()) for rid, start, row, n in spans} if self.keep_hidden else {}
+        kept = {rid: (start, hidden[row:row + n].clone()) for rid, start, row, n in spans}
         if not sample_rows:
             return StepResult({}, {}, kept)
         idx = torch.tensor([i for _, start, k in sample_rows for i in range(start, start + k)], device=dev)
