@@ -106,7 +106,10 @@ class PrefillWorker:
         elif kind in ("set_role", "drain"):
             self.lifecycle = msg
         else:
-            self.server.reply(identity, "error", id=msg.get("id"), message=f"a prefill worker does not accept {kind!r}")
+            # An add_request here was routed before the router saw this worker leave the decode role
+            # (a role switch): nothing of it ran, so the router may send it to another decode worker.
+            self.server.reply(identity, "error", id=msg.get("id"), message=f"a prefill worker does not accept {kind!r}",
+                              retry=kind == "add_request")
 
     def _prefill(self, identity: bytes, msg: dict) -> None:
         """Start the KV handshake with D off the loop (an unreachable `dest` must not stall P);

@@ -3,6 +3,7 @@ the worker registry, routing policies and admission control. Start it with `tand
 
 - server.py     RouterConfig and `serve()`: wires everything onto one asyncio loop
 - core.py       a request's lifecycle through the router (admission, dispatch, retry, abort)
+- failover.py   a request whose decode worker refused it or was lost: re-routed or migrated
 - registry.py   decode/prefill workers: registration, heartbeats, static workers, expiry
 - routing.py    the built-in routing policies (round_robin, least_loaded, prefix_affinity)
 - links.py      one ZMQ DEALER per worker (asyncio), the registration ROUTER socket

@@ -14,15 +14,10 @@
 5. The last output (finished) frees the admission slot at once, whether or not the client has read it.
 6. `Stream.close()` before the end (client cancelled or disconnected) sends `abort` to D, which
    frees the blocks on D and tells P to stop.
-7. If D is declared lost (dead: missed heartbeats; or hung: no progress for the hung timeout): a
-   request that has not handed any token to its client yet is dispatched again on another D. One
-   that has is *migrated*: the prompt plus the tokens already streamed go to another D as its
-   prompt, with the remaining max_tokens, and the client's stream continues with no gap — greedy
-   output is identical to an uninterrupted run, and so is seeded sampling (each step draws from
-   (seed, sequence length): tandem/engine/model_runner.position_seed); a stop string that straddles
-   the switch is not seen. With migration off, or no D left, it ends
-   with WorkerLost — a clear error, never a hung stream. A D that is merely slow (a long step) is
-   not lost: it gets fewer new requests (`Registry.routable`) and keeps its streams.
+7. D refuses a request it never ran (it has just switched roles), or is declared lost (dead or
+   hung): the request goes to another D, or its stream is migrated there (router_svc/failover.py).
+   A D that is merely slow (a long step) is not lost: it gets fewer new requests
+   (`Registry.routable`) and keeps its streams.
 """
 
 from __future__ import annotations
@@ -36,7 +31,8 @@ from typing import Any, Callable, cast
 import structlog
 
 from router_svc import metrics
-from router_svc.errors import BadRequest, NoWorkers, Overloaded, RouterError, WorkerLost
+from router_svc.errors import BadRequest, NoWorkers, Overloaded, RouterError
+from router_svc.failover import Failover
 from router_svc.registry import Registry, Worker
 from tandem.engine.interfaces.routing import RouteRequest, RoutingPolicy, prefix_key
 from tandem.sampling_params import BeamSearchParams, SamplingParams
@@ -83,7 +79,7 @@ class Flight:
     beam: dict[str, Any] | None = None  # BeamSearchParams.to_dict() of a beam search
 
 
-class Router:
+class Router(Failover):
     def __init__(self, registry: Registry, send: Callable[..., None], decode_policy: RoutingPolicy,
                  prefill_policy: RoutingPolicy, max_inflight: int = 256, block_size: int = 16,
                  affinity_blocks: int = 4, retry_after_s: int = 1, migrate: bool = True) -> None:
@@ -161,11 +157,12 @@ class Router:
         if kind == "output":
             self._on_output(flight, msg)
         elif kind == "error":
-            if flight.tokens_out == 0:
-                err: RouterError = BadRequest.from_exception(ValueError(msg["message"]))
+            if msg.get("retry") and flight.tokens_out == 0:
+                self._redispatch(flight)
+            elif flight.tokens_out == 0:
+                self._end(flight, BadRequest.from_exception(ValueError(msg["message"])))
             else:
-                err = RouterError(f"the decode worker failed the request: {msg['message']}")
-            self._end(flight, err)
+                self._end(flight, RouterError(f"the decode worker failed the request: {msg['message']}"))
 
     def _on_output(self, flight: Flight, msg: dict[str, Any]) -> None:
         self._release_prefill(flight)
@@ -208,63 +205,6 @@ class Router:
             except ConnectionError:
                 pass  # D is unreachable: its own expiry frees nothing here, and its blocks die with it
         self._end(flight, RouterError("the request was cancelled"))
-
-    # ---- 7: lost workers -------------------------------------------------------------------------
-    def on_worker_lost(self, worker: Worker) -> None:
-        for flight in list(self.flights.values()):
-            if flight.prefill is worker:
-                self._release_prefill(flight)  # D notices P's silence and computes the prompt itself
-            if flight.decode is not worker:
-                continue
-            worker.inflight -= 1
-            try:  # in case it is only slow: it should stop computing for nobody
-                self.send(worker.address, "abort", id=flight.rid)
-            except ConnectionError:
-                pass
-            flight.decode = None
-            if flight.tokens_out and self.migrate and self._migrate(flight, worker):
-                continue
-            if flight.tokens_out:
-                flight.log.warning("decode worker lost mid-stream", worker_id=worker.worker_id,
-                                   tokens_out=flight.tokens_out)
-                what = (f"is hung (no progress for {worker.loop_age_s():.0f}s)" if worker.hung
-                        else "stopped responding")
-                self._end(flight, WorkerLost(
-                    f"decode worker {worker.worker_id} {what} after {flight.tokens_out} tokens had been sent; "
-                    "the request cannot be resumed, please retry it"))
-                continue
-            self._release_prefill(flight)
-            try:
-                self._dispatch(flight, exclude={worker.worker_id})
-                metrics.RETRIES.inc()
-                flight.log.info("retried on another decode worker", lost=worker.worker_id,
-                                decode=flight.decode.worker_id if flight.decode else None)
-            except NoWorkers as exc:
-                self._end(flight, exc)
-
-    def _migrate(self, flight: Flight, lost: Worker) -> bool:
-        """Continue a stream on another D: prompt + tokens sent so far become its prompt."""
-        self._release_prefill(flight)
-        remaining = flight.max_tokens - flight.tokens_out
-        if remaining < 1:
-            return False
-        before = (flight.token_ids, flight.sampling)
-        flight.token_ids = flight.token_ids[:flight.prompt_len] + flight.generated
-        # the prompt's logprobs went out with the first chunk: the new D is not asked again
-        flight.sampling = {**flight.sampling, "max_tokens": remaining,
-                           "prompt_logprobs": None if flight.tokens_out else flight.sampling.get("prompt_logprobs")}
-        if flight.sampling.get("structured_outputs"):  # the grammar resumes after the tokens already sent
-            flight.sampling["structured_outputs"] = {**flight.sampling["structured_outputs"],
-                                                     "resume_tokens": flight.tokens_out}
-        try:
-            self._dispatch(flight, exclude={lost.worker_id})
-        except NoWorkers:
-            flight.token_ids, flight.sampling = before
-            return False
-        metrics.MIGRATIONS.inc()
-        flight.log.warning("stream migrated to another decode worker", lost=lost.worker_id,
-                           decode=flight.decode.worker_id if flight.decode else None, tokens_out=flight.tokens_out)
-        return True
 
     def describe(self) -> dict[str, Any]:
         return {"in_flight": len(self.flights), "max_inflight": self.max_inflight, "draining": self.draining}

@@ -66,6 +66,7 @@ class Output:
 class Error:
     id: Id | None
     message: Text
+    retry: Bool = False  # the request was not admitted here and nothing of it ran: send it to another worker
 
 
 @message("prefill")
