@@ -39,9 +39,13 @@ class CacheLayout:
     dtype: str  # model compute dtype, e.g. "bfloat16"
     kv_cache_dtype: str  # dtype of the cache tensors, a key of KV_DTYPES ("auto" must be resolved first)
     block_size: int
-    num_layers: int
+    num_layers: int  # cache tensors, one per model layer (+ hidden_layers)
     num_kv_heads: int
     head_dim: int
+    # The last `hidden_layers` of them hold the model's final hidden states of each token, not K/V
+    # (a speculator that drafts from them, EAGLE, reads them where the prompt was computed elsewhere:
+    # they travel P -> D like any layer). 0 without such a speculator.
+    hidden_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("model", "dtype", "kv_cache_dtype"):
@@ -51,6 +55,8 @@ class CacheLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"CacheLayout.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.hidden_layers, int) or not 0 <= self.hidden_layers < self.num_layers:
+            raise ValueError(f"CacheLayout.hidden_layers must be in [0, num_layers), got {self.hidden_layers!r}")
         if self.kv_cache_dtype not in KV_DTYPES:
             raise ValueError(
                 f"CacheLayout.kv_cache_dtype must be one of {sorted(KV_DTYPES)} (resolve 'auto' to the "

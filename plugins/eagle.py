@@ -13,9 +13,12 @@ by the engine after every forward pass: `observe`). One proposal of k tokens is 
 
 Drafted positions hold KV made from *predicted* states, so they are never kept: the next proposal
 recomputes them from the real states the verification pass produced (EAGLE's rule). Target states
-the engine never computed here — a prefix-cache hit, a prompt prefilled by a prefill worker, state
-dropped for room or because too many piled up — are recomputed with one cache-free target pass over
-the prefix (`num_recomputes`).
+this runner was not handed — a prefix-cache hit, a prompt prefilled by a prefill worker, state
+dropped for room or because too many piled up — are read from the target's hidden-state cache
+layers, where every forward pass (here, or on the prefill worker, whose KV transfer carries them)
+left them (tandem/engine/hidden_cache.py; `num_cache_reads`). Only positions whose blocks were
+released behind a sliding window are recomputed, with one cache-free target pass over the prefix
+(`num_recomputes`).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class EagleRunner:
         self.kv_caches, self.kv = own_cache(self.head.config, dtype, device, block_size, max_model_len, k, max_seqs)
         self.seqs: dict[str, _HeadSeq] = {}
         self.generator = torch.Generator().manual_seed(seed)
+        self.num_cache_reads = 0  # catch-ups whose target states were read from the cache (see module doc)
         self.num_recomputes = 0  # catch-ups whose target states had to be recomputed (see module doc)
         self.max_held_states = MAX_HELD_STATES
 
@@ -138,10 +142,15 @@ class EagleRunner:
         return self.kv.allocate(seq, need)  # type: ignore[arg-type]
 
     def _features(self, req: Request, lo: int, hi: int) -> torch.Tensor:
-        """The target's final hidden states of positions [lo, hi) of req: held, or recomputed."""
+        """The target's final hidden states of positions [lo, hi) of req: held, read from the target's
+        hidden-state cache layers, or (blocks released behind a sliding window) recomputed."""
         seq = self.seqs[req.request_id]
         f = seq.features
         if f is None or not seq.feat_start <= lo or seq.feat_start + len(f) < hi:
+            cached = self.target.cached_hidden_states(req.block_ids, lo, hi)
+            if cached is not None:
+                self.num_cache_reads += 1
+                return cached
             self.num_recomputes += 1
             seq.feat_start, seq.features = 0, self.target.hidden_states(req.token_ids[:hi])
             f = seq.features

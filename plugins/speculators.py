@@ -115,6 +115,10 @@ class EagleSpeculator(Speculator):
     def observe_hidden_states(self, hidden: dict[str, tuple[int, torch.Tensor]]) -> None:
         self.runner.observe(hidden)
 
+    def stats(self) -> dict[str, int]:
+        return {"target_state_cache_reads": self.runner.num_cache_reads,
+                "target_state_recomputes": self.runner.num_recomputes}
+
     def on_request_finished(self, request_id: str) -> None:
         self.runner.release(request_id)
 

@@ -46,7 +46,7 @@ class PrefillKVConnector(KVConnector):
                  trace: Callable[..., None] | None = None) -> None:
         self.sender = sender
         self.block_size = block_size
-        self.num_layers = num_layers
+        self.num_layers = num_layers  # cache layers: the layout's, hidden-state layers included
         self.trace = trace or (lambda *a: None)
         self.outbound: dict[str, Outbound] = {}
         self.completed = 0

@@ -51,7 +51,7 @@ class PrefillWorker:
         self._stopped = False
         self.registrar = registrar  # tandem.protocol.registration.Registrar, or None when not registered
         self.obs = NO_METRICS  # WorkerMetrics (step/queue timings), set by the CLI
-        self.kv = PrefillKVConnector(sender, engine.config.block_size, engine.model_config.num_layers, self._trace)
+        self.kv = PrefillKVConnector(sender, engine.config.block_size, engine.kv_layout.num_layers, self._trace)
         engine.set_kv_connector(self.kv)
 
     @property

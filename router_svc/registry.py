@@ -17,8 +17,11 @@ Alive, slow and hung are three things:
 5. Checked at the door: a registration is refused, with a message naming the worker, when its
    worker_id is in use by another live worker (at another address), or when the router cannot
    reach the control address it advertises (no `stats_reply` within REACH_TIMEOUT_S: a wrong
-   `--advertise`, a firewall). Until that reply it is registered but not routable. The refused
-   worker's Registrar keeps asking, so it gets in once the conflict is gone.
+   `--advertise`, a firewall), or when its KV cache layout (sent by workers with a KV connector)
+   differs from a live worker's of the other role — a P/D pair that could not transfer KV, e.g.
+   one side with `--speculator eagle` (hidden-state layers) and one without. Until that reply it is
+   registered but not routable. The refused worker's Registrar keeps asking, so it gets in once the
+   conflict is gone.
 6. Static workers (`--decode ADDR`, `--prefill ADDR`) never register: the router polls them with
    `stats`, and a `stats_reply` is their heartbeat. A static worker is down until its first reply;
    a silent one is marked down again, not forgotten, and comes back with its next reply. (Their
@@ -58,6 +61,7 @@ class Worker:
     inflight: int = 0  # requests routed here and not finished (prefill: not started yet)
     identity: bytes = b""  # its registration connection: heartbeats must come from it
     unverified_since: float | None = None  # registered, its control address has not answered yet
+    kv_layout: dict[str, Any] | None = None  # its KV CacheLayout, where it transfers KV
 
     def loop_age_s(self, now: float | None = None) -> float:
         """How long ago the engine loop last came round, as of now (0 for workers that do not say)."""
@@ -143,17 +147,37 @@ class Registry:
             return self._refuse(wid, address, "duplicate_id",
                                 f"register: worker_id {wid!r} is in use by a live {old.role} worker at {old.address} "
                                 f"(this one advertises {address}); give each worker its own --worker-id"), None
+        clash = self._layout_clash(wid, role, msg.get("kv_layout"))
+        if clash is not None:
+            return self._refuse(wid, address, "kv_layout", clash), None
         replaced = old if old is not None and (old.address != address or old.role != role) else None
         if old is not None and replaced is None:
             old.interval_s, old.last_seen, old.identity = msg["interval_ms"] / 1000, now, identity
             old.alive, old.hung = old.unverified_since is None, False
             return None, None
         self.workers[wid] = Worker(worker_id=wid, role=role, address=address, model=msg["model"], alive=False,
-                                   interval_s=msg["interval_ms"] / 1000, identity=identity, unverified_since=now)
+                                   interval_s=msg["interval_ms"] / 1000, identity=identity, unverified_since=now,
+                                   kv_layout=msg.get("kv_layout"))
         log.info("worker registering: waiting for its control address to answer", worker_id=wid, role=role,
                  address=address, model=msg["model"])
         self._update_gauges()
         return None, replaced
+
+    def _layout_clash(self, wid: str, role: str, layout: dict[str, Any] | None) -> str | None:
+        """Any D may be sent any P's KV: a worker whose KV cache layout differs from a live worker's of
+        the other role (another --speculator eagle, --kv-cache-dtype or --block-size) is refused."""
+        if layout is None:
+            return None
+        for other in self.workers.values():
+            if other.role == role or other.kv_layout is None or not other.alive or other.worker_id == wid:
+                continue
+            diffs = [f"{k}: this={layout.get(k)!r} {other.worker_id}={other.kv_layout.get(k)!r}"
+                     for k in sorted(layout.keys() | other.kv_layout.keys()) if layout.get(k) != other.kv_layout.get(k)]
+            if diffs:
+                return (f"register: this {role} worker's KV cache layout differs from {other.role} worker "
+                        f"{other.worker_id!r}'s ({'; '.join(diffs)}); prefill and decode workers must agree on "
+                        "--speculator (eagle keeps hidden-state layers), --kv-cache-dtype and --block-size")
+        return None
 
     def unverified(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.unverified_since is not None]

@@ -104,6 +104,27 @@ def test_registry_refuses_a_duplicate_id_and_an_unreachable_address_by_name():
     assert "ghost" not in reg.workers
 
 
+def test_registry_refuses_a_prefill_worker_whose_kv_layout_its_decode_workers_cannot_take():
+    from kvtransfer.base import CacheLayout
+    from router_svc.registry import Registry
+
+    layout = CacheLayout("m@1", "float32", "float32", block_size=16, num_layers=7, num_kv_heads=4, head_dim=32,
+                         hidden_layers=1).to_dict()  # a worker with --speculator eagle
+    reg = Registry(misses=3)
+    d1 = {"type": "register", "worker_id": "d1", "role": "decode", "control_address": "tcp://d:1", "model": "m",
+          "interval_ms": 100, "kv_layout": layout}
+    assert reg.handle(d1, b"conn-d") == (None, None)
+    reg.on_stats_reply("tcp://d:1", {})
+    plain = {**d1, "worker_id": "p1", "role": "prefill", "control_address": "tcp://p:1",
+             "kv_layout": {**layout, "num_layers": 6, "hidden_layers": 0}}
+    error, _ = reg.handle(plain, b"conn-p")
+    assert "p1" not in reg.workers and "differs from decode worker 'd1'" in error
+    assert "hidden_layers: this=0 d1=1" in error and "--speculator" in error
+    assert reg.handle({**plain, "kv_layout": layout}, b"conn-p") == (None, None)  # an eagle P agrees
+    assert reg.handle({**d1, "worker_id": "d2", "control_address": "tcp://d:2", "kv_layout": None},
+                      b"conn-d2") == (None, None)  # colocated (no KV connector): nothing to agree on
+
+
 def test_core_retries_unstarted_fails_started_and_admits_boundedly():
     from plugins.routing import RoundRobin
     from router_svc.core import Router

@@ -30,7 +30,16 @@ def model_identity(path: str) -> str:
     return f"{os.path.basename(os.path.normpath(path))}@{digest}"
 
 
-def cache_layout(config: EngineConfig, model: ModelConfig, quantizer: KVQuantizer) -> CacheLayout:
+def hidden_state_layers(model: ModelConfig) -> int:
+    """Cache layers that hold one token's final hidden state [hidden_size] in its K and V rows
+    [2, num_kv_heads, head_dim] (zero-padded): stored at the token's slot like its K/V, so they are
+    cached, copied, freed and transferred with its blocks."""
+    row = 2 * model.num_kv_heads * model.head_dim
+    return -(-model.hidden_size // row)
+
+
+def cache_layout(config: EngineConfig, model: ModelConfig, quantizer: KVQuantizer,
+                 hidden_layers: int = 0) -> CacheLayout:
     def name(dtype: torch.dtype) -> str:
         return str(dtype).removeprefix("torch.")
 
@@ -39,7 +48,8 @@ def cache_layout(config: EngineConfig, model: ModelConfig, quantizer: KVQuantize
         dtype=name(config.torch_dtype),
         kv_cache_dtype=name(quantizer.cache_dtype(config.torch_dtype)),
         block_size=config.block_size,
-        num_layers=model.num_layers,
+        num_layers=model.num_layers + hidden_layers,
         num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
+        hidden_layers=hidden_layers,
     )

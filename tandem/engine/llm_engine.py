@@ -28,7 +28,7 @@ from tandem.engine.beam_group import BeamGroups
 from tandem.engine.beam_search import BeamSearch
 from tandem.engine.kv_cache_manager import KVCacheManager, release_window
 from tandem.engine.kv_connector import KVConnector
-from tandem.engine.kv_layout import KVAllocator, cache_layout
+from tandem.engine.kv_layout import KVAllocator, cache_layout, hidden_state_layers
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.output_builder import OutputBuilder
 from tandem.engine.request import Request
@@ -56,7 +56,10 @@ class LLMEngine:
                                   config.block_size, config.seed,
                                   # --kv-cache-dtype: sizes the blocks below and allocates scales
                                   kv_quantizer=resolve_quantizer(config.kv_cache_dtype))
-        self.kv_layout = cache_layout(config, model_cfg, self.runner.kv_quantizer)
+        # An EAGLE-style speculator reads the target's hidden states: they get cache layers of their own,
+        # so they are there for prefix-cache hits and cross from a prefill worker with the K/V.
+        self.runner.hidden_layers = hidden_state_layers(model_cfg) if spec_decode.wants_hidden_states(config) else 0
+        self.kv_layout = cache_layout(config, model_cfg, self.runner.kv_quantizer, self.runner.hidden_layers)
         budget = int(config.kv_cache_memory_gb * 2**30)
         num_blocks = config.num_kv_blocks or budget // self.kv_layout.bytes_per_block
         window = release_window(model_cfg, config.role)
@@ -284,7 +287,8 @@ class LLMEngine:
         if self.speculator is None:
             return {}
         return {"speculator": self.config.speculator, "num_speculative_tokens": self.config.num_speculative_tokens,
-                "active": self.spec_active, "num_switches": self.spec_switches, **self.runner.spec_stats.as_dict()}
+                "active": self.spec_active, "num_switches": self.spec_switches, **self.runner.spec_stats.as_dict(),
+                **self.speculator.stats()}
 
     def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
         out = self.outputs.build(req, new_ids)

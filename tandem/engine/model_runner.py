@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from kernels import get_ops
-from tandem.engine import logits_processors, sampler, spec_decode, structured
+from tandem.engine import hidden_cache, logits_processors, sampler, spec_decode, structured
 from tandem.engine.interfaces.kv_quantizer import KVQuantizer, NoQuantizer
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.layers.attention import AttentionMetadata
@@ -51,6 +51,7 @@ class ModelRunner:
         self.draft_probs: dict[str, torch.Tensor] = {}
         self.spec_stats = spec_decode.SpecStats()
         self.keep_hidden = False  # set by the engine when its speculator reads the target's hidden states
+        self.hidden_layers = 0  # cache layers after the model's that keep them (tandem/engine/hidden_cache.py)
 
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -89,6 +90,9 @@ class ModelRunner:
         )
         plain_masks = self._start_masks(sample_rows)  # grammar masks are computed while the model runs
         hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
+        if self.hidden_layers:
+            hidden_cache.store_hidden(self.ops, self.kv_caches, self.kv_scales, hidden, meta.slot_mapping,
+                                      self.hidden_layers, self.layer_hook)
         # Copies, so a speculator holding a few rows does not keep the whole step's tensor alive.
         kept = {rid: (start, hidden[row:row + n].clone()) for rid, start, row, n in spans}
         if not sample_rows:
@@ -168,6 +172,15 @@ class ModelRunner:
     def score(self, token_ids: list[int]) -> list[float]:
         """Log-prob of each token after the first given its prefix, in one cache-free pass."""
         return [row[t] for row, t in zip(self.prompt_logprobs(token_ids, 0), token_ids[1:])]
+
+    def cached_hidden_states(self, block_ids: list[int], lo: int, hi: int) -> torch.Tensor | None:
+        """The final hidden states of positions [lo, hi) of a sequence holding `block_ids`, as its
+        forward passes (here, or on the prefill worker that sent its KV) left them in the cache; None
+        without hidden-state layers or where a block is not held."""
+        if not self.hidden_layers:
+            return None
+        return hidden_cache.read_hidden(self.kv_caches, self.kv_scales, block_ids, lo, hi, self.hidden_layers,
+                                        self.config.hidden_size, self.dtype)
 
     @torch.inference_mode()
     def hidden_states(self, token_ids: list[int]) -> torch.Tensor:

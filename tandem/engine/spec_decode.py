@@ -150,6 +150,16 @@ def cut_runs_at_stop_strings(sampled: dict[str, list[int]], logits: dict[str, to
                 break
 
 
+def wants_hidden_states(config: Any) -> bool:
+    """Whether the configured speculator drafts from the target's hidden states (decided before the
+    KV cache is allocated: such an engine keeps them in hidden-state layers of the cache)."""
+    if config.speculator is None:
+        return False
+    from tandem.engine.strategies import resolve_speculator
+
+    return bool(resolve_speculator(config.speculator).wants_hidden_states)
+
+
 def build_speculator(config: Any, model_config: Any, max_model_len: int, runner: Any) -> "Speculator | None":
     """Resolve the speculator by name once (never per step) and build it; None without one."""
     if config.speculator is None:

@@ -225,6 +225,9 @@ class _StatsCollector:
         yield self._one("tandem_spec_acceptance_ratio", "gauge",
                         "Accepted / drafted speculative tokens since start (0 without speculation)",
                         accepted / drafted if drafted else 0.0)
+        yield self._one("tandem_spec_target_state_recomputes_total", "counter",
+                        "Target hidden states a drafting head (eagle) had to recompute with a target pass, "
+                        "not read from the cache", sp.get("target_state_recomputes", 0))
 
     def _one(self, name: str, kind: str, doc: str, value: float) -> Metric:
         fam = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc, labels=list(LABELS))

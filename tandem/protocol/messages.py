@@ -114,6 +114,7 @@ class Register:
     control_address: Id
     model: Text
     interval_ms: Count  # heartbeat period
+    kv_layout: Map | None = None  # a worker with a KV connector: its CacheLayout (P and D must agree)
 
 
 @message("heartbeat")

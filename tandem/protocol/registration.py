@@ -53,6 +53,7 @@ class Registrar:
         self.role = role
         self.control_address = control_address
         self.model = model
+        self.kv_layout: dict[str, Any] | None = None  # set where the worker transfers KV: the router checks pairs
         self.interval_s = interval_s
         self.heartbeats_sent = 0
         self.draining = False  # set on SIGTERM: heartbeats tell the router to route nothing new here
@@ -108,7 +109,8 @@ class Registrar:
                 if not registered:
                     registered = self._send(sock, "register", worker_id=self.worker_id, role=self.role,
                                             control_address=self.control_address, model=self.model,
-                                            interval_ms=max(1, round(self.interval_s * 1000)))
+                                            interval_ms=max(1, round(self.interval_s * 1000)),
+                                            kv_layout=self.kv_layout)
                     if registered and not self._refused_recently():  # asking again each interval: quietly
                         log.info("registering with router", router=self.router_address, worker_id=self.worker_id,
                                  role=self.role, address=self.control_address)

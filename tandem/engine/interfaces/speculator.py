@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -64,6 +64,10 @@ class Speculator(ABC):
     @abstractmethod
     def propose(self, requests: Sequence[Request]) -> dict[str, list[int]]:
         """Speculated continuations of each request's `token_ids` (may be shorter than k, or absent)."""
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this speculator's own, merged into the engine's speculator stats."""
+        return {}
 
     def on_request_finished(self, request_id: str) -> None:  # noqa: B027 (optional hook)
         """The request finished or was aborted: free anything held for it."""
