@@ -22,12 +22,19 @@ def test_greedy_verify_accepts_matching_prefix_then_target_token():
 
 
 def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square test of counts against probs. Cells expected fewer than 5 times are pooled
+    into one (Cochran's rule): one draw of a 1e-5 outcome must not read as a broken sampler."""
     n = counts.sum()
     expected = probs * n
     keep = expected > 0
     assert counts[~keep].sum() == 0, "sampled a token of probability 0"
-    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    df = int(keep.sum()) - 1
+    counts, expected = counts[keep], expected[keep]
+    rare = expected < 5
+    if rare.any():
+        counts = torch.cat([counts[~rare], counts[rare].sum().view(1)])
+        expected = torch.cat([expected[~rare], expected[rare].sum().view(1)])
+    stat = ((counts - expected) ** 2 / expected).sum()
+    df = len(counts) - 1
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat.double() / 2))
 
 
