@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtransfer.base import allocate_kv_caches
 from tandem.config import EngineConfig
@@ -38,9 +38,6 @@ from tandem.models.config import ModelConfig
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import BeamSearchParams, SamplingParams
 from tandem.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    pass
 
 _MAX_MODEL_LEN_DEFAULT_CAP = 8192
 
