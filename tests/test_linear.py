@@ -33,17 +33,23 @@ def test_matches_f_linear_fp32(rows, bias):
 
 
 @pytest.mark.skipif(lin.backend() != "onednn", reason="oneDNN is not available in this torch build")
-def test_small_weights_take_f_linear_and_large_ones_onednn(monkeypatch):
-    """oneDNN's fixed cost per call loses to F.linear below ONEDNN_MIN_NUMEL weight elements."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_small_weights_take_f_linear_at_one_thread_and_large_ones_onednn(monkeypatch, threads):
+    """At one thread oneDNN's fixed cost per call loses to F.linear below ONEDNN_MIN_NUMEL weight
+    elements; with more threads oneDNN takes every weight (it threads the product, MKL's gemv does not)."""
     calls = []
     real = lin._ONEDNN
     monkeypatch.setattr(lin, "_ONEDNN", lambda *a: calls.append(a[1].shape) or real(*a))
     x = torch.randn(2, BIG[0])
-    with torch.inference_mode():
-        lin.linear(x, torch.randn(BIG[1] - 1, BIG[0]))
-        assert calls == []
-        lin.linear(x, torch.randn(BIG[1], BIG[0]))
-    assert calls == [(BIG[1], BIG[0])]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            lin.linear(x, torch.randn(BIG[1] - 1, BIG[0]))
+            lin.linear(x, torch.randn(BIG[1], BIG[0]))
+    finally:
+        torch.set_num_threads(before)
+    assert calls == ([(BIG[1], BIG[0])] if threads == 1 else [(BIG[1] - 1, BIG[0]), (BIG[1], BIG[0])])
 
 
 def test_bf16_and_non_contiguous_input():
