@@ -9,8 +9,8 @@ measured here, from 1 token to 1024 (docs/PERFORMANCE.md, "oneDNN linears"), for
 Small weights (under ONEDNN_MIN_NUMEL elements, e.g. the shipped 5.4M model's) stay on `F.linear`
 when the process computes with one thread: there oneDNN's fixed cost per call is most of the call.
 With more threads every weight goes to oneDNN, which splits even a batch-1 product across them (MKL
-runs it on one): the shipped model's batch-1 step 4.55 -> 4.13 ms, the 55M model's offline run +10%
-at 2 threads (docs/PERFORMANCE.md, "Small linears").
+runs it on one): the shipped model at 2 threads, batch 1, 3.90-4.15 -> 3.69-3.77 ms a token
+(docs/PERFORMANCE.md, "Small linears at two threads"; the 55M model's runs were within noise).
 
 The results differ from `F.linear` only by summation order (~1e-6 relative in fp32), as two BLAS
 builds would. `TANDEM_LINEAR=torch` switches back to `F.linear` (for A/B runs and as an escape
