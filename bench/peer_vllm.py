@@ -18,7 +18,8 @@ greedy agreement, batch-1 decode beside the weight-bandwidth limit, and (opt-in)
    reads one row).
 3. `--serve`: bench/serve_peer.py (vllm serve, tandem up P/D and colocated, one client) with
    `--serve-args` passed through.
-4. `--interference`: bench/interference.py (tandem colocated and P/D; that bench has no vLLM setup yet).
+4. `--interference`: bench/interference.py (tandem colocated and P/D, workers driven directly); the same
+   workload against `vllm serve` through each server's HTTP API is bench/interference_serve.py.
 
 `--quick` is a smoke run: 8 requests, 32 decode tokens, 1 repeat. Without --model the benchmark's random
 55M Llama (bench/offline_throughput.build_model) is built in a temporary directory.

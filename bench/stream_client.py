@@ -56,9 +56,15 @@ async def _read_body(reader: asyncio.StreamReader, chunked: bool):
         await reader.readexactly(2)  # CRLF after each chunk
 
 
-async def stream_one(host: str, port: int, model: str, sent: Sent, out: Received, timeout_s: float) -> None:
-    body = json.dumps({"model": model, "prompt": sent.prompt, "max_tokens": sent.max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+async def stream_one(host: str, port: int, model: str, sent: Sent, out: Received, timeout_s: float,
+                     per_token: bool = False) -> None:
+    """per_token: ask for logprobs, so every token arrives in a chunk of its own even when its text is
+    empty (a held-back partial character, a random model's tokens) and time chunks that carry tokens."""
+    req = {"model": model, "prompt": sent.prompt, "max_tokens": sent.max_tokens, "temperature": 0,
+           "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if per_token:
+        req["logprobs"] = 1
+    body = json.dumps(req).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nAccept: text/event-stream\r\nConnection: close\r\n\r\n").encode()
     out.sent_at = time.perf_counter()
@@ -89,7 +95,11 @@ async def stream_one(host: str, port: int, model: str, sent: Sent, out: Received
                     msg = json.loads(payload)
                     if msg.get("error"):
                         out.error = str(msg["error"].get("message", msg["error"]))
-                    if any(c.get("text") for c in msg.get("choices") or []):
+                    choices = msg.get("choices") or []
+                    if per_token:
+                        n = sum(len((c.get("logprobs") or {}).get("tokens") or []) for c in choices)
+                        out.chunk_times += [now] * n  # k tokens in one chunk: one gap, then k - 1 zeros
+                    elif any(c.get("text") for c in choices):
                         out.chunk_times.append(now)
                     if msg.get("usage"):
                         out.tokens = int(msg["usage"]["completion_tokens"])
