@@ -12,7 +12,8 @@ acknowledgements at the end (throughput, as a busy prefill worker would).
 With TANDEM_LINK_SECRET (or TANDEM_LINK_KEYS) exported, both ends run their links under ZMQ CURVE,
 as a cluster with link keys does: that measures the cost of authenticated, encrypted links.
 
-Targets: shm >= 80% of memcpy, zmq tcp >= 30%.
+Targets: shm >= 80% of memcpy, zmq tcp >= 80% of the raw TCP socket (bench/raw_tcp.py) measured in the
+same run.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.raw_tcp import raw_tcp_times  # noqa: E402
 from kvtransfer import CONNECTORS, CacheLayout, TransferDone, TransferFailed  # noqa: E402
 from tandem.protocol import security  # noqa: E402
 
@@ -159,12 +161,17 @@ def main() -> None:
     print(f"{'path':<11} {'one-at-a-time':>24} {'streamed':>24}")
     print(f"{'memcpy':<11} {base * 1e3:>7.2f} ms {base_gbs:>6.2f} GB/s  100% "
           f"{base * 1e3:>7.2f} ms {base_gbs:>6.2f} GB/s  100%")
+    def row(name: str, times: tuple[float, float]) -> None:
+        cols = [f"{t * 1e3:>7.2f} ms {nbytes / t / 1e9:>6.2f} GB/s {base / t:>4.0%}" for t in times]
+        print(f"{name:<11} {cols[0]} {cols[1]}")
+
+    tcp = raw_tcp_times(nbytes, args.iters, args.warmup)
+    row("raw-tcp", tcp)
     for variant in args.connectors.split(","):
-        cols = []
-        for t in run_connector(variant, n_blocks, args.iters, args.warmup, args.fragmented):
-            gbs = nbytes / t / 1e9
-            cols.append(f"{t * 1e3:>7.2f} ms {gbs:>6.2f} GB/s {gbs / base_gbs:>4.0%}")
-        print(f"{variant:<11} {cols[0]} {cols[1]}")
+        times = run_connector(variant, n_blocks, args.iters, args.warmup, args.fragmented)
+        row(variant, times)
+        if variant.endswith("-tcp") or variant == "torch_dist":
+            print(f"{'':<11} of raw tcp: {tcp[0] / times[0]:.0%} one-at-a-time, {tcp[1] / times[1]:.0%} streamed")
 
 
 if __name__ == "__main__":
