@@ -75,6 +75,24 @@ def test_greedy_identical_with_shipped_head_and_it_accepts(shipped):
     check_clean(llm)
 
 
+def test_prefill_role_keeps_hidden_states_but_builds_no_head_until_it_decodes():
+    """A prefill worker never proposes: with `--speculator eagle` it writes the hidden-state layer (its
+    decode workers read it) but loads no head and allocates no head cache until a switch to decoding."""
+    from tandem.config import EngineConfig
+    from tandem.default_model import default_model_path
+    from tandem.engine.llm_engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(model=default_model_path(), role="prefill", speculator="eagle",
+                                 max_model_len=512, num_kv_blocks=64))
+    assert eng.speculator is None and eng.speculator_stats() == {}
+    assert eng.runner.hidden_layers == 1 and eng.kv_layout.hidden_layers == 1
+    eng.ensure_speculator()
+    assert eng.speculator is not None and eng.speculator_stats()["speculator"] == "eagle"
+    built = eng.speculator
+    eng.ensure_speculator()
+    assert eng.speculator is built  # once
+
+
 def test_dropped_target_states_are_read_from_the_cache(shipped):
     """A request holding more target states than max_held_states drops them (a whole prompt here) and
     its head reads them back from the target's hidden-state cache layers (no target pass): same

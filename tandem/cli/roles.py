@@ -62,6 +62,8 @@ def build_worker(role: str, engine: Any, args: argparse.Namespace, listen: Any, 
 def switch(old: Any, role: str, args: argparse.Namespace, transport: Any) -> Any:
     """Hand `old`'s engine, control socket, registration and metrics to a new `role` worker. `old` is idle."""
     old.release_role()
+    if role == "decode":
+        old.engine.ensure_speculator()  # a prefill worker has not built it
     new = build_worker(role, old.engine, args, old.server, transport)
     new.registrar, new.obs, new.traces = old.registrar, old.obs, old.traces
     new._trace = new.traces.record

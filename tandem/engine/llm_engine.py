@@ -89,9 +89,16 @@ class LLMEngine:
         self._ids = itertools.count()
         self.current_schedule = None
         self.kv_connector = KVConnector()
-        self.speculator = spec_decode.build_speculator(config, model_cfg, self.max_model_len, self.runner)
-        self.spec_active = self.speculator is not None  # dynamic: off while the batch > spec_max_batch
-        self.spec_switches = 0
+        self.speculator, self.spec_active, self.spec_switches = None, False, 0  # active: off above spec_max_batch
+        if config.role != "prefill":  # a prefill worker never proposes: its speculator waits for a switch
+            self.ensure_speculator()
+
+    def ensure_speculator(self) -> None:
+        """Build the configured speculator, once: at start, or when a prefill worker starts decoding."""
+        if self.speculator is None and self.config.speculator is not None:
+            self.speculator = spec_decode.build_speculator(self.config, self.model_config, self.max_model_len,
+                                                           self.runner)
+            self.spec_active = True
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
