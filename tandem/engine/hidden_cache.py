@@ -33,8 +33,8 @@ def store_hidden(ops: KernelOps, kv_caches: list[torch.Tensor], kv_scales: list[
     t = hidden.shape[0]
     _, _, _, hkv, d = kv_caches[first].shape
     row = hkv * d
-    padded = hidden.new_zeros(t, 2 * row * hidden_layers)
-    padded[:, :hidden.shape[1]] = hidden
+    pad = 2 * row * hidden_layers - hidden.shape[1]  # 0 when the layers hold the states exactly (no copy)
+    padded = torch.nn.functional.pad(hidden, (0, pad)) if pad else hidden
     for i in range(hidden_layers):
         part = padded[:, 2 * row * i:2 * row * (i + 1)]
         layer = first + i
