@@ -57,6 +57,22 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_prompt(self, prompt: str | list[int], vocab_size: int) -> list[int]:
+        """A request's prompt (text, or token ids checked against the model's vocabulary) as token ids;
+        ValueError/TypeError naming what is wrong."""
+        if isinstance(prompt, str):
+            ids = self.encode(prompt) if prompt else []
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        else:
+            raise TypeError("a prompt must be a string or a list of token ids")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -102,20 +102,7 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.model_config.vocab_size})")
-        else:
-            raise TypeError("a prompt must be a string or a list of token ids")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        return ids
+        return self.tokenizer.encode_prompt(prompt, self.model_config.vocab_size)
 
     def make_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams) -> Request:
         """Validate and build a Request without queueing it (the decode service queues it itself)."""
