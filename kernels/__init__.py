@@ -1,19 +1,21 @@
-"""Kernel dispatch: the one place that picks Triton kernels (CUDA) or the torch reference ops (CPU).
+"""Kernel dispatch: the one place that picks Triton kernels (CUDA) or the CPU ops.
 
 The engine calls `get_ops(device)` once and keeps the returned `KernelOps`; no other module branches
-on the device. `TANDEM_KERNELS=reference|triton` overrides the choice (tests run the Triton kernels
-on CPU under `TRITON_INTERPRET=1` this way).
+on the device. On a CPU the ops are the torch reference ops with decode attention in C
+(kernels/native_cpu.py, built on first use; the reference where it cannot be built).
+`TANDEM_KERNELS=reference|native|triton` overrides the choice (tests run the Triton kernels on CPU
+under `TRITON_INTERPRET=1` this way, and the pure reference as the oracle).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from kernels import reference
+from kernels import native_cpu, reference
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,9 @@ REFERENCE_OPS = KernelOps(
 )
 
 
+NATIVE_CPU_OPS = replace(REFERENCE_OPS, name="native", paged_decode_attention=native_cpu.paged_decode_attention)
+
+
 def _triton_ops() -> KernelOps:
     try:
         from kernels import triton_ops  # noqa: WPS433 (import only when asked for)
@@ -45,10 +50,10 @@ def _triton_ops() -> KernelOps:
 
 
 def get_ops(device: torch.device | str) -> KernelOps:
-    """Triton on CUDA, reference elsewhere; TANDEM_KERNELS=reference|triton overrides."""
+    """Triton on CUDA, native elsewhere; TANDEM_KERNELS=reference|native|triton overrides."""
     choice = os.environ.get("TANDEM_KERNELS", "").strip().lower()
-    if choice not in ("", "reference", "triton"):
-        raise ValueError(f"TANDEM_KERNELS must be 'reference' or 'triton', got {choice!r}")
+    if choice not in ("", "reference", "native", "triton"):
+        raise ValueError(f"TANDEM_KERNELS must be 'reference', 'native' or 'triton', got {choice!r}")
     if choice == "triton" or (choice == "" and torch.device(device).type == "cuda"):
         return _triton_ops()
-    return REFERENCE_OPS
+    return REFERENCE_OPS if choice == "reference" else NATIVE_CPU_OPS

@@ -1,0 +1,88 @@
+"""The C decode-attention kernel (kernels/native_cpu.py) against the torch reference it replaces on CPU.
+
+The engine's greedy-parity tests (against transformers) run through it already, being the CPU default;
+these pin the edges one model would not reach: grouped-query and plain heads, verification queries
+(Q > 1), sliding windows that are not a multiple of the block size, contexts of one token and of whole
+blocks, blocks scattered as the allocator hands them out, one sequence split over threads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import NATIVE_CPU_OPS, REFERENCE_OPS, get_ops, native_cpu, reference
+
+
+def _case(seed, *, b, h, hkv, d, bs, q_len, lens, spare_blocks=7):
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max((n + bs - 1) // bs for n in lens) + 1
+    num_blocks = b * max_blocks + spare_blocks
+    cache = torch.randn(num_blocks, 2, bs, hkv, d, generator=g)
+    # scattered and interleaved: sequence i's j-th block is anywhere in the pool
+    tables = torch.randperm(num_blocks, generator=g)[: b * max_blocks].view(b, max_blocks).int()
+    query = torch.randn(b, q_len, h, d, generator=g)
+    return query, cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def test_the_library_builds_here():
+    assert native_cpu.library() is not None, "no C compiler (cc/gcc) found, or the build failed: see the log"
+    assert get_ops("cpu") is NATIVE_CPU_OPS
+
+
+@pytest.mark.parametrize("h,hkv,d", [(8, 2, 64), (8, 4, 32), (4, 4, 128), (6, 1, 16)])
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("window", [None, 40, 7])
+@pytest.mark.parametrize("bs", [16, 8])
+def test_equals_reference(h, hkv, d, q_len, window, bs):
+    lens = [q_len, bs, bs + 1, 3 * bs, 97, 255, 40 + q_len]
+    query, cache, tables, seq_lens = _case(h * d + q_len + bs, b=len(lens), h=h, hkv=hkv, d=d, bs=bs,
+                                           q_len=q_len, lens=lens)
+    want = reference.paged_decode_attention(query, cache, tables, seq_lens, d ** -0.5, window=window)
+    got = native_cpu.paged_decode_attention(query, cache, tables, seq_lens, d ** -0.5, window=window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("b", [1, 5])
+def test_threads_split_sequences_or_heads(threads, b):
+    """Fewer sequences than threads: the work is split per KV head; otherwise per sequence."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lens = [300 + 37 * i for i in range(b)]
+        query, cache, tables, seq_lens = _case(b, b=b, h=8, hkv=2, d=64, bs=16, q_len=1, lens=lens)
+        want = reference.paged_decode_attention(query, cache, tables, seq_lens, 0.125)
+        got = native_cpu.paged_decode_attention(query, cache, tables, seq_lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_unused_table_entries_are_never_read():
+    """Entries past a sequence's blocks, and behind its window, may be anything (the engine's padding,
+    freed blocks): the kernel must not read them, and the bounds check must not refuse them."""
+    query, cache, tables, seq_lens = _case(3, b=2, h=4, hkv=2, d=32, bs=16, q_len=1, lens=[100, 20])
+    want = reference.paged_decode_attention(query, cache, tables, seq_lens, 0.2, window=24)
+    tables[1, 2:] = 10**6  # past sequence 1's two blocks
+    tables[0, :4] = -5  # behind sequence 0's window: keys 76..99 live in blocks 4..6
+    got = native_cpu.paged_decode_attention(query, cache, tables, seq_lens, 0.2, window=24)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_out_of_range_blocks_and_lengths_are_refused():
+    query, cache, tables, seq_lens = _case(4, b=2, h=4, hkv=2, d=32, bs=16, q_len=1, lens=[40, 20])
+    bad = tables.clone()
+    bad[0, 1] = cache.shape[0]
+    with pytest.raises(ValueError, match="block ids must lie in"):
+        native_cpu.paged_decode_attention(query, cache, bad, seq_lens, 0.2)
+    with pytest.raises(ValueError, match="seq_lens must lie in"):
+        native_cpu.paged_decode_attention(query, cache, tables, torch.tensor([40, 16 * tables.shape[1] + 1]), 0.2)
+
+
+def test_other_dtypes_take_the_reference():
+    """A quantized or half cache is not the kernel's: the reference's result, bit for bit."""
+    query, cache, tables, seq_lens = _case(5, b=3, h=8, hkv=2, d=64, bs=16, q_len=1, lens=[50, 17, 120])
+    half = cache.to(torch.bfloat16)
+    assert torch.equal(native_cpu.paged_decode_attention(query.bfloat16(), half, tables, seq_lens, 0.125),
+                       REFERENCE_OPS.paged_decode_attention(query.bfloat16(), half, tables, seq_lens, 0.125))
