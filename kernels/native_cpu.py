@@ -1,5 +1,8 @@
 """Native CPU kernels: C sources in kernels/csrc/ compiled on first use with the machine's C compiler.
 
+Paged decode attention is here; the fused elementwise ops of a layer (RMSNorm, SiLU*mul, RoPE) are
+in kernels/fused.py, on the same library.
+
 The torch reference ops are exact but, for paged decode attention on a CPU, most of their time is
 the gather of each sequence's blocks into a padded buffer and a dozen small ops per layer (measured:
 18 ms of a batch-32 decode step of the 55M benchmark Llama, for ~100 MB of K/V). The C kernel reads
@@ -28,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.c"
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode_cpu.c", "fused_cpu.c")]
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lib: list = []  # [] not tried yet; [None] unavailable; [CDLL] loaded
 
@@ -44,12 +47,12 @@ def _cpu_flags() -> str:
 
 
 def _build(compiler: str) -> Path:
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
     cache_dir = Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem") / "kernels"
-    target = cache_dir / f"paged_decode_cpu-{key}.so"
+    target = cache_dir / f"tandem_cpu-{key}.so"
     if target.exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -58,7 +61,7 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True,
+        subprocess.run([compiler, *_FLAGS, "-o", tmp, *map(str, _SOURCES), "-lm"], capture_output=True, text=True,
                        check=True, timeout=120)
         os.replace(tmp, target)
     finally:
@@ -77,10 +80,15 @@ def library() -> ctypes.CDLL | None:
         if compiler is None:
             raise OSError("no C compiler (cc or gcc) on PATH")
         lib = ctypes.CDLL(str(_build(compiler)))
-        fn = lib.tandem_paged_decode_f32
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-            [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        for name, restype, argtypes in [
+            ("tandem_paged_decode_f32", i32, [ptr] * 3 + [i64, ptr, ptr] + [i32] * 6 + [f32, i32, i32]),
+            ("tandem_add_rms_norm_f32", None, [ptr] * 5 + [i64, i64, f32, i32]),
+            ("tandem_silu_and_mul_f32", None, [ptr, ptr, i64, i64, i32]),
+            ("tandem_rope_f32", None, [ptr, i64, ptr, ptr, i64, i32, i32, i32]),
+        ]:
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or ""
         log.warning("native CPU kernels unavailable, using the torch reference ops: %s %s", exc, detail[-500:])

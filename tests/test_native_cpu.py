@@ -86,3 +86,58 @@ def test_other_dtypes_take_the_reference():
     half = cache.to(torch.bfloat16)
     assert torch.equal(native_cpu.paged_decode_attention(query.bfloat16(), half, tables, seq_lens, 0.125),
                        REFERENCE_OPS.paged_decode_attention(query.bfloat16(), half, tables, seq_lens, 0.125))
+
+
+# ------------------------------------------------------------------ fused elementwise ops (kernels/fused.py)
+
+def _torch_forms(monkeypatch, fn, *args):
+    """The same kernels.fused call on its torch path (the reference: Hugging Face's arithmetic)."""
+    monkeypatch.setenv("TANDEM_KERNELS", "reference")
+    try:
+        return fn(*args)
+    finally:
+        monkeypatch.delenv("TANDEM_KERNELS")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 130])  # 130: rows split over threads
+def test_fused_norms_equal_torch(monkeypatch, rows):
+    from kernels import fused
+
+    g = torch.Generator().manual_seed(rows)
+    x, delta = torch.randn(rows, 96, generator=g) * 3, torch.randn(rows, 96, generator=g)
+    weight = torch.randn(96, generator=g)
+    torch.testing.assert_close(fused.rms_norm(x, weight, 1e-6),
+                               _torch_forms(monkeypatch, fused.rms_norm, x, weight, 1e-6), rtol=2e-6, atol=1e-6)
+    residual, normed = fused.add_rms_norm(x, delta, weight, 1e-5)
+    want_residual, want_normed = _torch_forms(monkeypatch, fused.add_rms_norm, x, delta, weight, 1e-5)
+    assert torch.equal(residual, want_residual)  # one fp32 add: bit for bit
+    torch.testing.assert_close(normed, want_normed, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 130])
+def test_fused_silu_and_mul_equals_torch(monkeypatch, rows):
+    from kernels import fused
+
+    gate_up = torch.randn(rows, 2 * 176, generator=torch.Generator().manual_seed(rows)) * 6  # tails of the exp
+    got = fused.silu_and_mul(gate_up)
+    assert got.shape == (rows, 176)
+    torch.testing.assert_close(got, _torch_forms(monkeypatch, fused.silu_and_mul, gate_up), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [3, 130])
+def test_fused_rope_in_place_on_the_qkv_output_is_bitwise_torch(monkeypatch, rows):
+    """RoPE on the q and k heads of a fused q/k/v row, in place: the same roundings as torch's
+    x * cos + rotate_half(x) * sin (no fused multiply-add), and v untouched."""
+    from kernels import fused
+
+    heads, kv_heads, d = 4, 2, 32
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g)
+    angles = torch.rand(rows, 1, d // 2, generator=g) * 100
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    before = qkv.clone()
+    want = _torch_forms(monkeypatch, fused.rotate, before[:, :(heads + kv_heads) * d].reshape(rows, -1, d), cos, sin)
+    got = fused.rotate(qkv[:, :(heads + kv_heads) * d].reshape(rows, -1, d), cos, sin)
+    assert got.data_ptr() == qkv.data_ptr()  # in place, as the attention layer relies on
+    assert torch.equal(got, want)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], before[:, (heads + kv_heads) * d:])

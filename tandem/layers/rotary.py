@@ -10,6 +10,8 @@ import math
 import torch
 from torch import nn
 
+from kernels import fused
+
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -42,11 +44,6 @@ class RotaryEmbedding(nn.Module):
 
 
 def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x [T, heads, D] rotated by rope = (cos, sin) from RotaryEmbedding.lookup."""
-    cos, sin = rope
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    """x [T, heads, D] rotated by rope = (cos, sin) from RotaryEmbedding.lookup (kernels/fused.py: in
+    place on the CPU, so x may be a view into the q/k/v projection's output)."""
+    return fused.rotate(x, *rope)

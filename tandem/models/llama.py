@@ -8,9 +8,9 @@ checkpoint's separate weights).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels import fused
 from tandem.layers.attention import Attention, AttentionMetadata
 from tandem.layers.linear import Linear
 from tandem.layers.norm import RMSNorm
@@ -26,8 +26,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -40,8 +39,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
                 ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), rope, meta))
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):

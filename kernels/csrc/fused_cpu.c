@@ -1,0 +1,86 @@
+/* Fused elementwise ops of a decoder layer on the CPU, fp32: each is one pass over memory where torch
+ * makes several (RMSNorm: pow, mean, add, rsqrt, mul, mul; SiLU*mul: silu, mul; RoPE: two muls, a
+ * neg, a cat, an add), and one call where torch makes up to ten. Rows are split over OpenMP threads
+ * (torch's runtime, see kernels/native_cpu.py) when there are enough of them to pay for it.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define PAR_ROWS 64 /* fewer rows than this run on the calling thread: a parallel region costs more */
+
+/* residual_out = x + delta (when delta is given, else x is the residual); out = RMSNorm(residual_out) *
+ * weight, the variance in fp32 as Hugging Face's Llama computes it. */
+void tandem_add_rms_norm_f32(const float *x, const float *delta, float *residual_out, const float *weight,
+                             float *out, int64_t rows, int64_t hidden, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && rows >= PAR_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * hidden;
+        float *res = residual_out + r * hidden, *o = out + r * hidden;
+        float ss = 0.f;
+        if (delta) {
+            const float *dr = delta + r * hidden;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < hidden; i++) {
+                float v = xr[i] + dr[i];
+                res[i] = v;
+                ss += v * v;
+            }
+        } else {
+            res = (float *)xr;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < hidden; i++) ss += xr[i] * xr[i];
+        }
+        const float inv = 1.f / sqrtf(ss / (float)hidden + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++) o[i] = weight[i] * (res[i] * inv);
+    }
+}
+
+/* exp(x) for x in [-87, 88] (clamped): Cephes' expf polynomial after a range reduction by ln 2. */
+static inline float exp_approx(float x) {
+    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+    float n = rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.f;
+    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
+    return y * two_n.f;
+}
+
+/* out [rows, inter] = silu(gate) * up, gate_up [rows, 2 * inter] as the fused projection writes it. */
+void tandem_silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && rows >= PAR_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+    }
+}
+
+/* Rotary embedding in place, rotate-half (GPT-NeoX) style, on `heads` heads of head_dim D in each of
+ * `rows` rows (row stride `row_stride` floats: the fused q/k/v projection's output); cos/sin [rows, D].
+ * Same roundings as torch's x * cos + rotate_half(x) * sin: no fused multiply-adds. */
+__attribute__((optimize("fp-contract=off")))
+void tandem_rope_f32(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t rows, int heads,
+                     int D, int num_threads) {
+    const int half = D / 2;
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && rows >= PAR_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos + r * D, *s = sin + r * D;
+        for (int h = 0; h < heads; h++) {
+            float *a = x + r * row_stride + (int64_t)h * D, *b = a + half;
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                float x1 = a[i], x2 = b[i];
+                a[i] = x1 * c[i] + -x2 * s[i];
+                b[i] = x2 * c[half + i] + x1 * s[half + i];
+            }
+        }
+    }
+}

@@ -1,0 +1,90 @@
+"""Fused elementwise ops of a decoder layer: RMSNorm (with the residual add before it), SiLU*mul, RoPE.
+
+On the CPU with fp32 tensors each is one C call (kernels/csrc/fused_cpu.c, built with the decode
+attention kernel by kernels/native_cpu.py) where torch runs 2-10 ops and as many passes over memory;
+anywhere else — CUDA, half precision, `TANDEM_KERNELS=reference|triton`, no C compiler — the torch
+forms below run, and they are the reference: Hugging Face Llama's arithmetic, op for op.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from kernels import native_cpu
+
+
+def _native(*tensors: torch.Tensor):
+    """The compiled library when every tensor is a contiguous fp32 CPU tensor and native ops are allowed."""
+    if os.environ.get("TANDEM_KERNELS", "").strip().lower() in ("reference", "triton"):
+        return None
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            return None
+    return native_cpu.library()
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension: variance in fp32, scaled by `weight` after the cast back."""
+    lib = _native(x, weight)
+    if lib is None or x.numel() == 0:
+        return _torch_rms_norm(x, weight, eps)
+    out = torch.empty_like(x)
+    hidden = x.shape[-1]
+    lib.tandem_add_rms_norm_f32(x.data_ptr(), None, x.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                x.numel() // hidden, hidden, eps, torch.get_num_threads())
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)): a decoder layer's residual add and the norm after it, one pass."""
+    lib = _native(x, delta, weight)
+    if lib is None or x.numel() == 0 or x.shape != delta.shape:
+        residual = x + delta
+        return residual, _torch_rms_norm(residual, weight, eps)
+    residual, out = torch.empty_like(x), torch.empty_like(x)
+    hidden = x.shape[-1]
+    lib.tandem_add_rms_norm_f32(x.data_ptr(), delta.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+                                out.data_ptr(), x.numel() // hidden, hidden, eps, torch.get_num_threads())
+    return residual, out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] (gate then up, as the fused projection writes them) -> silu(gate) * up [..., I]."""
+    inter = gate_up.shape[-1] // 2
+    lib = _native(gate_up)
+    if lib is None or gate_up.numel() == 0:
+        gate, up = gate_up.split(inter, dim=-1)
+        return F.silu(gate) * up
+    out = gate_up.new_empty((*gate_up.shape[:-1], inter))
+    lib.tandem_silu_and_mul_f32(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
+                                torch.get_num_threads())
+    return out
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by cos/sin [T, 1, D] (rotate-half style). On the native path x is
+    rotated in place and returned: it may be a view into a wider row (the fused q/k/v projection's
+    output), as long as each head's D values are contiguous and the heads of a row adjacent."""
+    t, heads, d = x.shape
+    lib = None
+    if x.stride(2) == 1 and x.stride(1) == d and d % 2 == 0:
+        lib = _native(cos, sin)
+        if lib is not None and (x.dtype != torch.float32 or x.device.type != "cpu" or cos.shape != (t, 1, d)):
+            lib = None
+    if lib is None or t == 0:
+        half = d // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    lib.tandem_rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d,
+                        torch.get_num_threads())
+    return x
