@@ -31,7 +31,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode_cpu.c", "fused_cpu.c")]
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / name for name in ("paged_decode_cpu.c", "fused_cpu.c")]
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _lib: list = []  # [] not tried yet; [None] unavailable; [CDLL] loaded
 
@@ -47,7 +48,7 @@ def _cpu_flags() -> str:
 
 
 def _build(compiler: str) -> Path:
-    source = b"".join(path.read_bytes() for path in _SOURCES)
+    source = b"".join(path.read_bytes() for path in sorted(_CSRC.glob("*.[ch]")))  # headers too
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]

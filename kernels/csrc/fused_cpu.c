@@ -6,6 +6,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "exp_approx.h"
+
 #define PAR_ROWS 64 /* fewer rows than this run on the calling thread: a parallel region costs more */
 
 /* residual_out = x + delta (when delta is given, else x is the residual); out = RMSNorm(residual_out) *
@@ -34,22 +36,6 @@ void tandem_add_rms_norm_f32(const float *x, const float *delta, float *residual
 #pragma omp simd
         for (int64_t i = 0; i < hidden; i++) o[i] = weight[i] * (res[i] * inv);
     }
-}
-
-/* exp(x) for x in [-87, 88] (clamped): Cephes' expf polynomial after a range reduction by ln 2. */
-static inline float exp_approx(float x) {
-    x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-    float n = rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.f;
-    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
-    return y * two_n.f;
 }
 
 /* out [rows, inter] = silu(gate) * up, gate_up [rows, 2 * inter] as the fused projection writes it. */

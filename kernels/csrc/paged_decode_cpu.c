@@ -17,26 +17,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "exp_approx.h"
+
 #define MAX_ROWS 1024 /* H * Q; the Python side falls back to the reference above this */
 #define MAX_BS 256
-
-/* exp(x) for x <= 0 (scores minus their running max): Cephes' expf polynomial after a range reduction
- * by ln 2, ~1 ulp. Written so that a loop of it vectorises (libm's expf does not without -ffast-math,
- * which this file must not use: it relies on -INFINITY). */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.f ? -87.f : x;
-    float n = rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.f;
-    union { int32_t i; float f; } two_n = {.i = ((int32_t)n + 127) << 23};
-    return y * two_n.f;
-}
 
 typedef float vec8 __attribute__((vector_size(32))); /* GCC/Clang vector extension: AVX2 on x86, 2x NEON on Arm */
 
@@ -104,12 +88,12 @@ static void attend(const float *query, const float *cache, const int32_t *table,
                     for (int t = a; t < b; t++) mx = sh[t] > mx ? sh[t] : mx;
 #pragma omp simd reduction(+ : sum)
                     for (int t = a; t < b; t++) {
-                        sh[t] = exp_nonpositive(sh[t] - mx);
+                        sh[t] = exp_approx(sh[t] - mx);
                         sum += sh[t];
                     }
                     const int r = r0 + h;
                     if (mx != m[r]) {
-                        float corr = m[r] == -INFINITY ? 0.f : exp_nonpositive(m[r] - mx);
+                        float corr = m[r] == -INFINITY ? 0.f : exp_approx(m[r] - mx);
                         float *ar = acc0 + h * D;
 #pragma omp simd
                         for (int d = 0; d < D; d++) ar[d] *= corr;
