@@ -16,7 +16,7 @@ from tandem.layers import linear as lin
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-BIG = (512, lin.ONEDNN_MIN_NUMEL // 512)  # (in, out): just large enough for the oneDNN path
+BIG = (512, 1024)  # (in, out)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64])
@@ -34,22 +34,40 @@ def test_matches_f_linear_fp32(rows, bias):
 
 @pytest.mark.skipif(lin.backend() != "onednn", reason="oneDNN is not available in this torch build")
 @pytest.mark.parametrize("threads", [1, 2])
-def test_small_weights_take_f_linear_at_one_thread_and_large_ones_onednn(monkeypatch, threads):
-    """At one thread oneDNN's fixed cost per call loses to F.linear below ONEDNN_MIN_NUMEL weight
-    elements; with more threads oneDNN takes every weight (it threads the product, MKL's gemv does not)."""
+def test_every_weight_takes_onednn_packed_and_is_repacked_when_written(monkeypatch, threads):
+    """Small weights too, at any thread count and row count (packed, oneDNN beats F.linear on the shipped
+    model's weights); the packed copy follows the weight when it is loaded or replaced."""
     calls = []
     real = lin._ONEDNN
-    monkeypatch.setattr(lin, "_ONEDNN", lambda *a: calls.append(a[1].shape) or real(*a))
-    x = torch.randn(2, BIG[0])
+    monkeypatch.setattr(lin, "_ONEDNN", lambda *a: calls.append(a[1].is_mkldnn) or real(*a))
+    layer = lin.Linear(64, 48, bias=True)
+    x = torch.randn(1, 64)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
-            lin.linear(x, torch.randn(BIG[1] - 1, BIG[0]))
-            lin.linear(x, torch.randn(BIG[1], BIG[0]))
+            first = layer(x)
+            packed = layer.packed_weight()
+            assert layer.packed_weight() is packed  # made once
+            with torch.no_grad():
+                layer.weight.mul_(2)  # as load_state_dict writes weights
+            second = layer(x)
+            assert layer.packed_weight() is not packed
     finally:
         torch.set_num_threads(before)
-    assert calls == ([(BIG[1], BIG[0])] if threads == 1 else [(BIG[1] - 1, BIG[0]), (BIG[1], BIG[0])])
+    assert calls == [True, True]
+    torch.testing.assert_close(second - layer.bias, 2 * (first - layer.bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 8, 300])
+def test_packed_weight_any_row_count(rows):
+    layer = lin.Linear(96, 40)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.shape == (rows, 40)
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_and_non_contiguous_input():

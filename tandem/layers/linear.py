@@ -6,11 +6,16 @@ AVX-512) the 55M Llama's weights stream at ~18 GB/s through it, half of what one
 oneDNN (`torch.ops.mkldnn._linear_pointwise`, what vLLM's CPU build also dispatches to) picks its
 kernel from the CPU's real ISA and threads the batch-1 case: 2.0-2.5x faster at every batch size
 measured here, from 1 token to 1024 (docs/PERFORMANCE.md, "oneDNN linears"), for that model's weights.
-Small weights (under ONEDNN_MIN_NUMEL elements, e.g. the shipped 5.4M model's) stay on `F.linear`
-when the process computes with one thread: there oneDNN's fixed cost per call is most of the call.
-With more threads every weight goes to oneDNN, which splits even a batch-1 product across them (MKL
-runs it on one): the shipped model at 2 threads, batch 1, 3.90-4.15 -> 3.69-3.77 ms a token
-(docs/PERFORMANCE.md, "Small linears at two threads"; the 55M model's runs were within noise).
+With more threads oneDNN also splits even a batch-1 product across them (MKL runs it on one).
+
+Each `Linear` also keeps its weight re-laid-out once in oneDNN's blocked format for a batch of
+PACK_ROWS rows (`mkldnn._reorder_linear_weight`, as vLLM's CPU build prepacks): with the plain layout
+oneDNN works from row-major weights on every call, and products of 8-32 rows — a decode step's batch —
+ran 1.2-1.9x slower (docs/PERFORMANCE.md, "Prepacked linears"). Packed, oneDNN also wins for the
+small weights of the shipped 5.4M model at one thread and one row, where unpacked it only tied
+`F.linear` (the chain of its 25 linears, weights evicted as a step evicts them: F.linear 2.53 ms,
+oneDNN 2.27, packed 1.83-1.98; at 8 rows 3.89 / 3.50 / 2.26-2.41), so every weight takes it. The cost
+is a second copy of each linear weight in memory (`TANDEM_LINEAR=torch` has none).
 
 The results differ from `F.linear` only by summation order (~1e-6 relative in fp32), as two BLAS
 builds would. `TANDEM_LINEAR=torch` switches back to `F.linear` (for A/B runs and as an escape
@@ -32,17 +37,17 @@ _mkldnn = getattr(torch.ops, "mkldnn", None)
 _ONEDNN = (getattr(_mkldnn, "_linear_pointwise", None)
            if _choice != "torch" and torch.backends.mkldnn.is_available() else None)
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-# Below this many weight elements, at one thread, oneDNN's fixed cost per call (~10-20 us here)
-# outweighs its faster kernel, and F.linear is quicker (docs/PERFORMANCE.md, "Small linears").
-ONEDNN_MIN_NUMEL = 1 << 19
+PACK_ROWS = 64  # the batch size oneDNN lays packed weights out for (8 and 64 measured the same)
+_REORDER = getattr(_mkldnn, "_reorder_linear_weight", None) if _ONEDNN is not None else None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through oneDNN where it applies (CPU, fp32/bf16, no autograd)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, through oneDNN where it applies (CPU, fp32/bf16, no autograd), with
+    `packed` (`Linear.packed_weight`: the same weight in oneDNN's layout) in its place if given."""
     if (_ONEDNN is not None and x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and x.dtype == weight.dtype
-            and (weight.numel() >= ONEDNN_MIN_NUMEL or torch.get_num_threads() > 1)
             and not (weight.requires_grad and torch.is_grad_enabled())):
-        return _ONEDNN(x, weight, bias, "none", [], "")
+        return _ONEDNN(x, weight if packed is None else packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
@@ -54,5 +59,20 @@ def backend() -> str:
 class Linear(nn.Linear):
     """nn.Linear (same parameters and checkpoint names) whose forward is `linear` above."""
 
+    _packed: torch.Tensor | None = None
+    _packed_key: tuple | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight())
+
+    def packed_weight(self) -> torch.Tensor | None:
+        """The weight in oneDNN's packed layout (CPU fp32 inference only), made on first use and again
+        whenever the weight is replaced or written (keyed on its storage and version counter)."""
+        w = self.weight
+        if _REORDER is None or w.dtype != torch.float32 or w.device.type != "cpu" or (
+                w.requires_grad and torch.is_grad_enabled()):
+            return None
+        key = (w.data_ptr(), w._version, tuple(w.shape))
+        if self._packed_key != key:
+            self._packed, self._packed_key = _REORDER(w.detach(), PACK_ROWS), key
+        return self._packed
