@@ -141,3 +141,30 @@ def test_fused_rope_in_place_on_the_qkv_output_is_bitwise_torch(monkeypatch, row
     assert got.data_ptr() == qkv.data_ptr()  # in place, as the attention layer relies on
     assert torch.equal(got, want)
     assert torch.equal(qkv[:, (heads + kv_heads) * d:], before[:, (heads + kv_heads) * d:])
+
+
+def test_without_a_compiler_the_reference_runs_and_says_so(tmp_path):
+    """No usable C compiler (here: CC is `false`) and an empty cache: one warning, torch's results."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import logging, torch
+logging.basicConfig()
+from kernels import fused, native_cpu, reference
+assert native_cpu.library() is None
+q, cache = torch.randn(2, 1, 4, 32), torch.randn(6, 2, 16, 2, 32)
+tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([20, 5], dtype=torch.int32)
+assert torch.equal(native_cpu.paged_decode_attention(q, cache, tables, lens, 0.2),
+                   reference.paged_decode_attention(q, cache, tables, lens, 0.2))
+x, w = torch.randn(3, 32), torch.randn(32)
+assert torch.equal(fused.rms_norm(x, w, 1e-6), fused._torch_rms_norm(x, w, 1e-6))
+print("ok")
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "CC": "false", "TANDEM_CACHE_DIR": str(tmp_path), "PYTHONPATH": root}
+    env.pop("TANDEM_KERNELS", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert out.stderr.count("native CPU kernels unavailable, using the torch reference ops") == 1, out.stderr
