@@ -111,3 +111,27 @@ def test_cache_resume_and_bad_specs(grammars, tokenizer):
                         "structured_outputs.json")]:
         with pytest.raises(ValueError, match=re.escape(field)):
             grammars.compile(check_spec(bad))
+
+
+def test_batched_masks_equal_single_masks_and_torch_stays_on_the_caller(grammars, tokenizer, monkeypatch):
+    """Many rows go to the helper thread; their masks equal each state's own, and every torch op (the
+    unpack) runs on the calling thread: a helper thread that ran torch ops got an OpenMP team of its own,
+    which left every later decode step ~40% slower."""
+    import threading
+
+    from tandem.engine import structured
+
+    states, texts = [], ["", "ab", "abc", "a b", "zz", "q", "hello wor", "x y z"]
+    for text in texts * 2:
+        state = grammars.state({"regex": "[a-z ]*x?[0-9]{0,3}"})
+        state.sync(tokenizer.encode(text, add_special_tokens=False))
+        states.append(state)
+    assert len(states) > structured.INLINE_ROWS  # the helper thread's path
+    threads = []
+    real_unpack = structured.unpack
+    monkeypatch.setattr(structured, "unpack", lambda *a: threads.append(threading.current_thread()) or real_unpack(*a))
+    masks = grammars.allowed_batch_async(states).result()
+    assert threads == [threading.current_thread()]
+    assert masks.shape == (len(states), grammars.vocab_size)
+    for state, mask in zip(states, masks):
+        assert bool((mask == state.allowed()).all())

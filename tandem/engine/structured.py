@@ -22,6 +22,7 @@ import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import llguidance
@@ -97,26 +98,23 @@ class Grammars:
         """int32 words of one llguidance token mask: a bit per token."""
         return (self.vocab_size + 31) // 32
 
-    def allowed_batch(self, states: list[GrammarState]) -> torch.Tensor:
-        """Bool masks [len(states), vocab_size] for many requests at once: llguidance fills one int32
-        buffer in parallel (its threads run without the GIL), then one vectorized unpack."""
+    def allowed_batch_async(self, states: list[GrammarState]) -> PendingMasks:
+        """Bool masks [len(states), vocab_size] for many requests at once (`.result()`): llguidance fills one
+        int32 buffer in parallel (its threads run without the GIL) on a helper thread, overlapping the
+        forward pass, then one vectorized unpack; a few rows are cheaper done at once than handed over
+        (the hand-off costs more than their masks)."""
         words = torch.empty((len(states), self.mask_words), dtype=torch.int32)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        self._executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(states)], words.data_ptr(),
-                                               self.mask_words * 4, len(states))
-        return unpack(words, self.vocab_size)
-
-    def allowed_batch_async(self, states: list[GrammarState]) -> Future:
-        """allowed_batch() on a helper thread, overlapping the forward pass; a few rows are cheaper
-        done at once than handed over (the hand-off costs more than their masks)."""
+        items = [(s.matcher, i) for i, s in enumerate(states)]
+        fill = partial(self._executor.unsafe_compute_mask_ptr, items, words.data_ptr(), self.mask_words * 4,
+                       len(states))
         if len(states) <= INLINE_ROWS:
-            done: Future = Future()
-            done.set_result(self.allowed_batch(states))
-            return done
+            fill()
+            return PendingMasks(None, words, self.vocab_size)
         if self._mask_pool is None:
             self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
-        return self._mask_pool.submit(self.allowed_batch, states)
+        return PendingMasks(self._mask_pool.submit(fill), words, self.vocab_size)
 
     def state(self, spec: dict[str, Any], resume_tokens: list[int] | None = None) -> GrammarState:
         """A fresh per-request state; `resume_tokens` were generated under this grammar already."""
@@ -171,6 +169,21 @@ class GrammarState:
         if taken:
             self.matcher.rollback(taken)
         return masks
+
+
+class PendingMasks:
+    """Token masks being filled by llguidance on the helper thread; result() waits and unpacks them on
+    the caller's thread. The helper never runs a torch op: a thread that does gets an OpenMP team of
+    its own, and with it every later decode step of the process ran ~40% slower, structured or not
+    (measured: batch 16, 3600 -> 2000 tok/s after a single structured batch)."""
+
+    def __init__(self, fill: Future | None, words: torch.Tensor, vocab_size: int) -> None:
+        self._fill, self._words, self._vocab_size = fill, words, vocab_size
+
+    def result(self) -> torch.Tensor:
+        if self._fill is not None:
+            self._fill.result()
+        return unpack(self._words, self._vocab_size)
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
