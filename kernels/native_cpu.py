@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = [_CSRC / name for name in ("paged_decode_cpu.c", "fused_cpu.c")]
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# gnu11, not c11: ISO mode turns off the contraction of a * b + c into one FMA (5-8% of the attention kernel).
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _lib: list = []  # [] not tried yet; [None] unavailable; [CDLL] loaded
 
 
