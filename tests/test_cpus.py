@@ -20,6 +20,20 @@ def test_plan_splits_the_budget_into_disjoint_slices():
     assert cpus.plan(["a", "b", "c"], [0, 1]) == {"a": [0], "b": [1], "c": [0]}  # must share: one core each
 
 
+def test_more_workers_than_cores_share_cores_within_a_role_only():
+    p1d2 = cpus.plan(["prefill-0", "decode-0", "decode-1"], [0, 1])
+    assert p1d2 == {"prefill-0": [0], "decode-0": [1], "decode-1": [1]}  # prefill never time-slices with decode
+    assert cpus.plan(["prefill-0", "prefill-1", "decode-0"], [0, 1]) == {
+        "prefill-0": [0], "prefill-1": [0], "decode-0": [1]}
+    colocated = cpus.plan(["decode-0", "decode-1", "decode-2"], [0, 1])  # one role: round-robin
+    assert colocated == {"decode-0": [0], "decode-1": [1], "decode-2": [0]}
+    wide = cpus.plan(["prefill-0"] + [f"decode-{i}" for i in range(5)], [4, 5, 6, 7])  # cores follow worker counts
+    assert wide["prefill-0"] == [4] and \
+        sorted({tuple(c) for n, c in wide.items() if n != "prefill-0"}) == [(5,), (6,), (7,)]
+    assert cpus.plan(["prefill-0", "decode-0", "decode-1"], [3]) == {  # fewer cores than roles: all share
+        "prefill-0": [3], "decode-0": [3], "decode-1": [3]}
+
+
 def test_cgroup_quota_caps_the_budget(tmp_path):
     cpu_max = tmp_path / "cpu.max"
     for text, cores in (("max 100000\n", None), ("150000 100000\n", 2), ("50000 100000\n", 1), ("400000 100000", 4)):

@@ -6,7 +6,8 @@ wait for a thread the other process preempted), for seconds at a time. So:
   CPU quota (compose `cpus:`, a Kubernetes CPU limit) and by an exported `OMP_NUM_THREADS`: on a
   shared machine that variable is the share the user gave *all* of tandem, not a per-worker count;
 - `plan()` gives each co-located worker a disjoint slice of the budget (decode workers get the
-  remainder: their steps are latency-bound), or `per_worker` cores each when asked;
+  remainder: their steps are latency-bound), or `per_worker` cores each when asked; with more
+  workers than cores they share cores within their role only (prefill never time-slices with decode);
 - a worker started with `--cpus` pins itself to its slice (`apply()`: `sched_setaffinity` and
   `torch.set_num_threads(len(slice))`); one started without takes what its affinity mask allows.
 
@@ -121,7 +122,8 @@ def slices(cores: list[int], n: int) -> list[list[int]]:
 
 def plan(names: list[str], cores: list[int], per_worker: int | None = None) -> dict[str, list[int]]:
     """Disjoint cores for each worker (in the order given; decode workers last get any remainder).
-    With more workers than cores they must share: one core each, round-robin."""
+    With more workers than cores they must share: one core each, cores split between the roles
+    ("prefill-0" -> prefill), round-robin within a role."""
     if per_worker is not None:
         if per_worker < 1:
             raise ValueError(f"--cpus-per-worker must be >= 1, got {per_worker}")
@@ -132,8 +134,36 @@ def plan(names: list[str], cores: list[int], per_worker: int | None = None) -> d
                              "OMP_NUM_THREADS also caps it)")
         return {name: cores[i * per_worker:(i + 1) * per_worker] for i, name in enumerate(names)}
     if len(names) > len(cores):
-        return {name: [cores[i % len(cores)]] for i, name in enumerate(names)}
+        return _shared_plan(names, cores)
     return dict(zip(names, slices(cores, len(names))))
+
+
+def _role(name: str) -> str:
+    return name.rsplit("-", 1)[0]  # "prefill-0" -> "prefill"
+
+
+def _shared_plan(names: list[str], cores: list[int]) -> dict[str, list[int]]:
+    """More workers than cores: one core each, and a core is only shared within a role. Each role gets
+    cores in proportion to its workers (at least one): a prefill worker time-slicing with a decode
+    worker would bring back the interference disaggregation removes — measured on 2 cores, 1 prefill
+    and 2 decode workers, prompt-heavy load: prefill paired with a decode worker met the SLOs for 23%
+    of requests (docs/PLANNING.md)."""
+    roles: dict[str, list[str]] = {}
+    for name in names:
+        roles.setdefault(_role(name), []).append(name)
+    if len(roles) == 1 or len(cores) < len(roles):
+        return {name: [cores[i % len(cores)]] for i, name in enumerate(names)}
+    counts = {role: len(members) for role, members in roles.items()}
+    share = {role: 1 for role in roles}  # then the rest one at a time to the role with most workers per core
+    for _ in range(len(cores) - len(roles)):
+        role = max(roles, key=lambda r: counts[r] / share[r])
+        share[role] += 1
+    out, start = {}, 0
+    for role, members in roles.items():
+        mine = cores[start:start + share[role]]
+        start += share[role]
+        out.update(plan(members, mine))
+    return out
 
 
 def assign(names: list[str], budget: list[int], per_worker: int | None = None) -> tuple[dict[str, list[int]], bool]:
