@@ -2,7 +2,8 @@
 greedy agreement, batch-1 decode beside the weight-bandwidth limit, and (opt-in) serving and interference.
 
     python -m bench.peer_vllm --vllm-python /work/vllm-venv/bin/python [--model DIR] [--threads N]
-        [--requests 64] [--decode-tokens 128] [--repeats 3] [--quick] [--serve] [--interference] [--out FILE]
+        [--requests 64] [--decode-tokens 128] [--repeats 3] [--rounds 1] [--quick] [--serve] [--interference]
+        [--out FILE]
 
 1. offline: the seeded workload of bench/offline_throughput.py (64 requests, prompts U[32, 512], outputs
    U[16, 256], ignore_eos, greedy, token-id prompts) through `vllm.LLM.generate` and `tandem.LLM.generate`,
@@ -20,6 +21,9 @@ greedy agreement, batch-1 decode beside the weight-bandwidth limit, and (opt-in)
    `--serve-args` passed through.
 4. `--interference`: bench/interference.py (tandem colocated and P/D, workers driven directly); the same
    workload against `vllm serve` through each server's HTTP API is bench/interference_serve.py.
+
+`--rounds R` runs each engine R times in fresh processes, alternating which goes first (this VM's
+speed drifts by 5-10% over minutes), and reports the medians; the JSON keeps every round.
 
 `--quick` is a smoke run: 8 requests, 32 decode tokens, 1 repeat. Without --model the benchmark's random
 55M Llama (bench/offline_throughput.build_model) is built in a temporary directory.
@@ -101,6 +105,15 @@ def run_engine(name: str, python: str, model: str, work_file: str, env: dict, de
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I8": 1}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """One engine's rounds as one result: the median offline time and batch-1 rate (the tokens, for the
+    agreement check, are the first round's; every round is greedy on the same requests)."""
+    import statistics
+
+    return {**runs[0], "offline_s": statistics.median(r["offline_s"] for r in runs),
+            "b1_tok_s": statistics.median(r["b1_tok_s"] for r in runs)}
+
+
 def decode_weight_bytes(model: str) -> int:
     """Bytes of weights one decode step streams: all but the embedding table (one row of it is read),
     which counts once more when the LM head is tied to it."""
@@ -166,14 +179,16 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--engines", default="tandem,vllm")
+    ap.add_argument("--rounds", type=int, default=1, help="run the engines this many times, alternating which "
+                    "goes first; the table gives each engine's median and the ratio of the medians")
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 requests, 32 decode tokens, 1 repeat")
     ap.add_argument("--serve", action="store_true", help="then run bench/serve_peer.py")
     ap.add_argument("--serve-args", default="", help="extra arguments for bench/serve_peer.py")
     ap.add_argument("--interference", action="store_true", help="then run bench/interference.py")
     ap.add_argument("--out", help="write the run as JSON here")
     a = ap.parse_args()
-    if a.threads < 1:
-        ap.error("--threads must be >= 1")
+    if a.threads < 1 or a.rounds < 1:
+        ap.error("--threads and --rounds must be >= 1")
     if a.quick:
         a.requests, a.decode_tokens, a.repeats = 8, 32, 1
     engines = [e for e in a.engines.split(",") if e]
@@ -194,11 +209,13 @@ def main() -> None:
            "OMP_NUM_THREADS": str(a.threads), "VLLM_CPU_OMP_THREADS_BIND": bind,
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     bw, rd = [memcpy_gbps()], [read_gbps()]
-    results = {}
-    for name in engines:
-        python = sys.executable if name == "tandem" else a.vllm_python
-        print(f"[{name}] running ...", flush=True)
-        results[name] = run_engine(name, python, model, work_file, env, a.decode_tokens, a.repeats)
+    runs: dict[str, list[dict]] = {name: [] for name in engines}
+    for rnd in range(a.rounds):  # alternate the order: a VM's speed drifts over minutes
+        for name in engines if rnd % 2 == 0 else engines[::-1]:
+            python = sys.executable if name == "tandem" else a.vllm_python
+            print(f"[{name}] round {rnd + 1}/{a.rounds} running ...", flush=True)
+            runs[name].append(run_engine(name, python, model, work_file, env, a.decode_tokens, a.repeats))
+    results = {name: median_run(rs) for name, rs in runs.items()}
     bw.append(memcpy_gbps())
     rd.append(read_gbps())
     gbps, rgbps, wbytes = max(bw), max(rd), decode_weight_bytes(model)
@@ -217,8 +234,14 @@ def main() -> None:
     print(f"{'engine':8} {'offline tok/s':>14} {'b1 decode tok/s':>16} {'of limit':>9}  info")
     for name, r in results.items():
         tps = out_tokens / r["offline_s"]
-        report["engines"][name] = {"offline_tok_s": tps, "b1_tok_s": r["b1_tok_s"], "info": r["info"]}
+        report["engines"][name] = {"offline_tok_s": tps, "b1_tok_s": r["b1_tok_s"], "info": r["info"],
+                                   "rounds_offline_tok_s": [out_tokens / x["offline_s"] for x in runs[name]],
+                                   "rounds_b1_tok_s": [x["b1_tok_s"] for x in runs[name]]}
         print(f"{name:8} {tps:14.1f} {r['b1_tok_s']:16.1f} {r['b1_tok_s'] / limit:9.0%}  {r['info']}")
+        if a.rounds > 1:
+            offline = " ".join(f"{out_tokens / x['offline_s']:.1f}" for x in runs[name])
+            b1 = " ".join(f"{x['b1_tok_s']:.1f}" for x in runs[name])
+            print(f"{'':8} rounds: offline {offline}; b1 {b1}")
     if len(results) == 2:
         t, v = results["tandem"], results["vllm"]
         agree = [i for i, (x, y) in enumerate(zip(t["tokens"], v["tokens"])) if x == y]

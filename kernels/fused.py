@@ -1,4 +1,5 @@
-"""Fused elementwise ops of a decoder layer: RMSNorm (with the residual add before it), SiLU*mul, RoPE.
+"""Fused elementwise ops of a decoder layer: RMSNorm (with the residual add before it), SiLU*mul, RoPE;
+and the greedy sampler's row-wise argmax.
 
 On the CPU with fp32 tensors each is one C call (kernels/csrc/fused_cpu.c, built with the decode
 attention kernel by kernels/native_cpu.py) where torch runs 2-10 ops and as many passes over memory;
@@ -88,3 +89,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     lib.tandem_rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d,
                         torch.get_num_threads())
     return x
+
+
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """x [N, V] -> each row's argmax, as `x.argmax(-1).tolist()` (the first maximum; NaN wins)."""
+    lib = _native(x)
+    if lib is None or x.dim() != 2 or x.numel() == 0:
+        return x.argmax(dim=-1).tolist()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.tandem_argmax_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out.tolist()

@@ -88,6 +88,7 @@ def library() -> ctypes.CDLL | None:
             ("tandem_add_rms_norm_f32", None, [ptr] * 5 + [i64, i64, f32, i32]),
             ("tandem_silu_and_mul_f32", None, [ptr, ptr, i64, i64, i32]),
             ("tandem_rope_f32", None, [ptr, i64, ptr, ptr, i64, i32, i32, i32]),
+            ("tandem_argmax_f32", None, [ptr, i64, i64, ptr, i32]),
         ]:
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes

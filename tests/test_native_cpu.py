@@ -143,6 +143,21 @@ def test_fused_rope_in_place_on_the_qkv_output_is_bitwise_torch(monkeypatch, row
     assert torch.equal(qkv[:, (heads + kv_heads) * d:], before[:, (heads + kv_heads) * d:])
 
 
+def test_argmax_rows_is_torch_argmax_ties_nan_and_inf_included():
+    from kernels import fused
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 32000, generator=g)  # 37 rows: split over threads
+    x[3, 17] = x[3, 25000] = 50.0  # a tie: the first index wins
+    x[4, 31999] = 60.0  # the last column
+    x[5, 100] = float("nan")  # NaN is the maximum, as in torch
+    x[5, 200] = float("nan")
+    x[6] = float("-inf")  # nothing finite: index 0
+    x[7, 0] = float("inf")
+    assert fused.argmax_rows(x) == x.argmax(-1).tolist()
+    assert fused.argmax_rows(x)[3:8] == [17, 31999, 100, 0, 0]
+
+
 def test_without_a_compiler_the_reference_runs_and_says_so(tmp_path):
     """No usable C compiler (here: CC is `false`) and an empty cache: one warning, torch's results."""
     import os

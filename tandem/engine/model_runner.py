@@ -97,8 +97,10 @@ class ModelRunner:
         kept = {rid: (start, hidden[row:row + n].clone()) for rid, start, row, n in spans}
         if not sample_rows:
             return StepResult({}, {}, kept)
-        idx = torch.tensor([i for _, start, k in sample_rows for i in range(start, start + k)], device=dev)
-        logits = self.model.compute_logits(hidden[idx])
+        rows = [i for _, start, k in sample_rows for i in range(start, start + k)]
+        if len(rows) < hidden.shape[0] or rows[-1] != len(rows) - 1:  # else every row, in order: no copy
+            hidden = hidden[torch.tensor(rows, device=dev)]
+        logits = self.model.compute_logits(hidden)
         result = self._sample(sample_rows, logits, plain_masks)
         result.hidden = kept
         return result
@@ -145,7 +147,11 @@ class ModelRunner:
         self.draft_probs = {}
         if plain:
             reqs = [r for r, _ in plain]
-            rows = logits_processors.process(logits[[row for _, row in plain]], reqs)
+            picked = [row for _, row in plain]
+            # Every row, in order, and no grammar to write masks into them: sample from logits as they
+            # are (a copy of a batch-32 step's [32, 32000] logits costs 0.6 ms here).
+            whole = plain_masks is None and len(picked) == logits.shape[0] and picked[-1] == len(picked) - 1
+            rows = logits_processors.process(logits if whole else logits[picked], reqs)
             if plain_masks is not None:  # structured outputs: only what each grammar allows next
                 constrained, allowed = plain_masks
                 rows[constrained] = structured.mask_rows(rows[constrained], allowed.result())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import fused
 from tandem.sampling_params import SamplingParams
 
 
@@ -41,7 +42,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
            default_generator: torch.Generator) -> list[int]:
     """logits [N, V] (fp32, on CPU or device), one params/generator per row."""
     if all(p.greedy for p in params):
-        return logits.argmax(dim=-1).tolist()
+        return fused.argmax_rows(logits)
     cpu = logits.cpu()
     return [sample_row(cpu[i], p, g or default_generator) for i, (p, g) in enumerate(zip(params, generators))]
 
