@@ -1,7 +1,8 @@
 """Native CPU kernels: C sources in kernels/csrc/ compiled on first use with the machine's C compiler.
 
 Paged decode attention is here; the fused elementwise ops of a layer (RMSNorm, SiLU*mul, RoPE) are
-in kernels/fused.py, on the same library.
+in kernels/fused.py and the small-batch linears over bf16-stored weights in tandem/layers/linear.py,
+on the same library.
 
 The torch reference ops are exact but, for paged decode attention on a CPU, most of their time is
 the gather of each sequence's blocks into a padded buffer and a dozen small ops per layer (measured:
@@ -32,7 +33,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / name for name in ("paged_decode_cpu.c", "fused_cpu.c")]
+_SOURCES = [_CSRC / name for name in ("paged_decode_cpu.c", "fused_cpu.c", "linear_cpu.c")]
 # gnu11, not c11: ISO mode turns off the contraction of a * b + c into one FMA (5-8% of the attention kernel).
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _lib: list = []  # [] not tried yet; [None] unavailable; [CDLL] loaded
@@ -89,6 +90,7 @@ def library() -> ctypes.CDLL | None:
             ("tandem_silu_and_mul_f32", None, [ptr, ptr, i64, i64, i32]),
             ("tandem_rope_f32", None, [ptr, i64, ptr, ptr, i64, i32, i32, i32]),
             ("tandem_argmax_f32", None, [ptr, i64, i64, ptr, i32]),
+            ("tandem_linear_bf16w_f32", i32, [ptr] * 4 + [i64] * 3 + [i32]),
         ]:
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes

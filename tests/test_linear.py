@@ -60,6 +60,42 @@ def test_every_weight_takes_onednn_packed_and_is_repacked_when_written(monkeypat
     torch.testing.assert_close(second, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_batches_of_bf16_exact_weights_use_their_bf16_bits(monkeypatch, threads, bias):
+    """A weight that is exactly bf16 (a bf16 checkpoint served in fp32) multiplies from a bf16 copy at up
+    to SMALL_BATCH rows, with fp32 accumulation: as exact as oneDNN's fp32 product. An odd shape (K not a
+    multiple of 8, N not of the row block) covers the tails; a larger batch, a weight that stops being
+    exactly bf16, and a plain fp32 weight go to oneDNN."""
+    calls = []
+    real = lin._ONEDNN
+    monkeypatch.setattr(lin, "_ONEDNN", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    torch.manual_seed(threads)
+    layer = lin.Linear(300, 77, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(layer.weight.bfloat16().float())
+    plain = lin.Linear(64, 48)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            for rows in range(1, lin.SMALL_BATCH + 2):
+                x = torch.randn(rows, 300)
+                want = F.linear(x.double(), layer.weight.double(), None if bias is False else layer.bias.double())
+                torch.testing.assert_close(layer(x).double(), want, rtol=0, atol=2e-6)
+            assert layer._bf16 is not None and layer._bf16.dtype == torch.bfloat16
+            assert calls == [lin.SMALL_BATCH + 1]  # only the batch past SMALL_BATCH went to oneDNN
+            with torch.no_grad():
+                layer.weight[0, 0] += 1e-4  # no longer a bf16 value: checked again, oneDNN from now on
+            x = torch.randn(1, 300)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+            assert layer._bf16 is None and calls[-1] == 1
+            plain(torch.randn(2, 64))
+            assert plain._bf16 is None and calls[-1] == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("rows", [0, 1, 8, 300])
 def test_packed_weight_any_row_count(rows):
     layer = lin.Linear(96, 40)

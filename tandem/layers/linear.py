@@ -17,6 +17,14 @@ small weights of the shipped 5.4M model at one thread and one row, where unpacke
 oneDNN 2.27, packed 1.83-1.98; at 8 rows 3.89 / 3.50 / 2.26-2.41), so every weight takes it. The cost
 is a second copy of each linear weight in memory (`TANDEM_LINEAR=torch` has none).
 
+**Small batches of bf16-stored weights.** A checkpoint stored in bf16 and served in fp32 (the usual
+CPU case; the shipped model is one) has fp32 weights that are bf16 values widened. For up to
+SMALL_BATCH rows — a decode step of a few sequences, whose time is the bytes of the weights —
+`Linear` keeps those bf16 bits (checked exact once per weight version) and multiplies through
+kernels/csrc/linear_cpu.c, which widens them in registers: the same products from half the bytes
+(the shipped model's 25 linears at one row: 3.04 -> 2.20 ms at 1 thread, 2.10 -> 1.18 ms at 2). A
+weight that is not exactly bf16 (the 55M benchmark Llama's random fp32 ones) never takes it.
+
 The results differ from `F.linear` only by summation order (~1e-6 relative in fp32), as two BLAS
 builds would. `TANDEM_LINEAR=torch` switches back to `F.linear` (for A/B runs and as an escape
 hatch); any tensor the oneDNN op does not take (CUDA, fp16, autograd) goes to `F.linear` anyway.
@@ -30,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import fused
+
 _choice = os.environ.get("TANDEM_LINEAR", "").strip().lower()
 if _choice not in ("", "onednn", "torch"):
     raise ValueError(f"TANDEM_LINEAR must be 'onednn' or 'torch', got {_choice!r}")
@@ -39,6 +49,7 @@ _ONEDNN = (getattr(_mkldnn, "_linear_pointwise", None)
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 PACK_ROWS = 64  # the batch size oneDNN lays packed weights out for (8 and 64 measured the same)
 _REORDER = getattr(_mkldnn, "_reorder_linear_weight", None) if _ONEDNN is not None else None
+SMALL_BATCH = 4  # rows up to which bf16-stored weights go through kernels/csrc/linear_cpu.c (measured 1-4)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -62,8 +73,36 @@ class Linear(nn.Linear):
     _packed: torch.Tensor | None = None
     _packed_key: tuple | None = None
 
+    _bf16: torch.Tensor | None = None
+    _bf16_key: tuple | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= SMALL_BATCH and _choice != "torch":
+            y = self._small_batch(x)
+            if y is not None:
+                return y
         return linear(x, self.weight, self.bias, self.packed_weight())
+
+    def _small_batch(self, x: torch.Tensor) -> torch.Tensor | None:
+        """y = x W^T + b from the weight's bf16 bits (see the module docstring), or None where that does
+        not apply: not CPU fp32 inference, no native library, or a weight that is not exactly bf16."""
+        w = self.weight
+        lib = fused._native(x)
+        if lib is None or w.dtype != torch.float32 or w.device.type != "cpu" or x.numel() == 0 or (
+                w.requires_grad and torch.is_grad_enabled()):
+            return None
+        key = (w.data_ptr(), w._version, tuple(w.shape))
+        if self._bf16_key != key:
+            narrow = w.detach().to(torch.bfloat16)
+            self._bf16 = narrow if torch.equal(narrow.float(), w.detach()) else None
+            self._bf16_key = key
+        bias = self.bias
+        if self._bf16 is None or (bias is not None and bias.dtype != torch.float32):
+            return None
+        y = x.new_empty((x.shape[0], w.shape[0]))
+        lib.tandem_linear_bf16w_f32(x.data_ptr(), self._bf16.data_ptr(), None if bias is None else bias.data_ptr(),
+                                    y.data_ptr(), x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads())
+        return y
 
     def packed_weight(self) -> torch.Tensor | None:
         """The weight in oneDNN's packed layout (CPU fp32 inference only), made on first use and again
