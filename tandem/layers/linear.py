@@ -67,6 +67,14 @@ def backend() -> str:
     return "onednn" if _ONEDNN is not None else "torch"
 
 
+def _exact_bf16(w: torch.Tensor) -> torch.Tensor | None:
+    """w as bf16 when that loses nothing (a CPU fp32 weight whose every value is a bf16 value), else None."""
+    if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
+        return None
+    narrow = w.detach().to(torch.bfloat16)
+    return narrow if torch.equal(narrow.float(), w.detach()) else None
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters and checkpoint names) whose forward is `linear` above."""
 
@@ -87,20 +95,18 @@ class Linear(nn.Linear):
         """y = x W^T + b from the weight's bf16 bits (see the module docstring), or None where that does
         not apply: not CPU fp32 inference, no native library, or a weight that is not exactly bf16."""
         w = self.weight
-        lib = fused._native(x)
-        if lib is None or w.dtype != torch.float32 or w.device.type != "cpu" or x.numel() == 0 or (
-                w.requires_grad and torch.is_grad_enabled()):
+        key = (w.data_ptr(), w._version, w.shape)
+        if self._bf16_key != key:  # first use, or the weight was replaced or written
+            self._bf16, self._bf16_key = _exact_bf16(w), key
+        narrow, bias = self._bf16, self.bias
+        if narrow is None or (w.requires_grad and torch.is_grad_enabled()) or (
+                bias is not None and bias.dtype != torch.float32) or x.numel() == 0:
             return None
-        key = (w.data_ptr(), w._version, tuple(w.shape))
-        if self._bf16_key != key:
-            narrow = w.detach().to(torch.bfloat16)
-            self._bf16 = narrow if torch.equal(narrow.float(), w.detach()) else None
-            self._bf16_key = key
-        bias = self.bias
-        if self._bf16 is None or (bias is not None and bias.dtype != torch.float32):
+        lib = fused._native(x)
+        if lib is None:
             return None
         y = x.new_empty((x.shape[0], w.shape[0]))
-        lib.tandem_linear_bf16w_f32(x.data_ptr(), self._bf16.data_ptr(), None if bias is None else bias.data_ptr(),
+        lib.tandem_linear_bf16w_f32(x.data_ptr(), narrow.data_ptr(), None if bias is None else bias.data_ptr(),
                                     y.data_ptr(), x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads())
         return y
 
