@@ -1,17 +1,19 @@
-/* Small-batch linear layers over bf16-stored weights, fp32 arithmetic: y [M, N] = x [M, K] W^T (+ bias),
- * W [N, K] row-major (nn.Linear's layout) in bfloat16, M <= 4.
+/* Small-batch linear layers, fp32 arithmetic: y [M, N] = x [M, K] W^T (+ bias), W [N, K] row-major
+ * (nn.Linear's layout), M <= 4, W either bf16 bits or fp32.
  *
  * Why: a decode step of a few sequences reads every weight once and does ~M multiply-adds with each, so
- * its time is the bytes of the weights. Most checkpoints are stored in bf16; served in fp32 on a CPU,
- * each of their weights is a bf16 value widened, so keeping the bf16 bits and widening in registers
- * (a shift) gives the very same products from half the bytes. Accumulation is fp32, as in fp32 oneDNN
- * (only the summation order differs). Measured on the shipped model's 25 linears, one row, weights
- * evicted between runs: oneDNN fp32 3.04 ms -> 2.20 ms at 1 thread, 2.10 -> 1.18 ms at 2
- * (docs/PERFORMANCE.md).
+ * its time is the bytes of the weights, and what matters is streaming them at the memory's speed.
+ * - bf16 weights: most checkpoints are stored in bf16; served in fp32 on a CPU, each of their weights is a
+ *   bf16 value widened, so keeping the bf16 bits and widening in registers (a shift) gives the very same
+ *   products from half the bytes. Shipped model's 25 linears, one row, weights evicted between runs:
+ *   oneDNN fp32 (packed) 2.80 -> 1.16 ms at 1 thread, 2.23 -> 0.68 ms at 2.
+ * - fp32 weights: oneDNN's packed kernel streams a 1-3 row product at 11-19 GB/s here; rows blocked in
+ *   registers and prefetched ahead stream at 16-26 GB/s (the 55M Llama's 33 linears, one row: 11.9 ->
+ *   9.5 ms at 1 thread, 8.5 -> 6.5 ms at 2; at 4 rows oneDNN is as fast, so callers stop at 3).
+ * Accumulation is fp32, as in fp32 oneDNN (only the summation order differs). docs/PERFORMANCE.md.
  *
  * R weight rows x M input rows are done together, their R*M 8-wide accumulators in registers; rows of W
- * are split over OpenMP threads (torch's runtime: kernels/native_cpu.py).
- */
+ * are split over OpenMP threads (torch's runtime: kernels/native_cpu.py). */
 #include <stdint.h>
 #include <string.h>
 
@@ -41,17 +43,21 @@ static inline f32x8 load8f(const float *p) {
     return v;
 }
 
-#define ROWS_BLOCK(M, R)                                                                                      \
-    static inline __attribute__((always_inline)) void rows_##M##_##R(const float *x, const uint16_t *w,       \
-                                                                      int64_t K, float *y, int64_t N,          \
-                                                                      const float *bias) {                     \
+static inline f32x8 load8w(const float *p) { return load8f(p); }
+static inline float load1w(float v) { return v; }
+
+/* R weight rows times M input rows: R*M 8-wide accumulators in registers. T is the weight's type (uint16_t:
+ * bf16 bits, widened; float: as is), WIDEN8/WIDEN1 how its values become fp32. */
+#define ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, M, R)                                                             \
+    static inline __attribute__((always_inline)) void NAME##_##M##_##R(const float *x, const T *w, int64_t K, \
+                                                                        float *y, int64_t N, const float *bias) { \
         f32x8 acc[R][M];                                                                                       \
         for (int r = 0; r < R; r++)                                                                            \
             for (int m = 0; m < M; m++) acc[r][m] = (f32x8){0};                                                \
         int64_t k = 0;                                                                                         \
         for (; k + 8 <= K; k += 8) {                                                                           \
             f32x8 wv[R];                                                                                       \
-            for (int r = 0; r < R; r++) wv[r] = widen8(w + r * K + k);                                         \
+            for (int r = 0; r < R; r++) wv[r] = WIDEN8(w + r * K + k);                                         \
             for (int m = 0; m < M; m++) {                                                                      \
                 const f32x8 xv = load8f(x + m * K + k);                                                        \
                 for (int r = 0; r < R; r++) acc[r][m] += wv[r] * xv;                                          \
@@ -61,40 +67,56 @@ static inline f32x8 load8f(const float *p) {
             for (int m = 0; m < M; m++) {                                                                      \
                 float s = 0.f;                                                                                 \
                 for (int i = 0; i < 8; i++) s += acc[r][m][i];                                                 \
-                for (int64_t t = k; t < K; t++) s += x[m * K + t] * widen1(w[r * K + t]);                      \
+                for (int64_t t = k; t < K; t++) s += x[m * K + t] * WIDEN1(w[r * K + t]);                      \
                 y[m * N + r] = s + (bias ? bias[r] : 0.f);                                                     \
             }                                                                                                  \
     }
-ROWS_BLOCK(1, 4) ROWS_BLOCK(1, 1)
-ROWS_BLOCK(2, 4) ROWS_BLOCK(2, 1)
-ROWS_BLOCK(3, 2) ROWS_BLOCK(3, 1)
-ROWS_BLOCK(4, 2) ROWS_BLOCK(4, 1)
+#define ROWS_BLOCKS(NAME, T, WIDEN8, WIDEN1)                                                                  \
+    ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 1, 4) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 1, 1)                      \
+    ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 2, 4) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 2, 1)                      \
+    ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 3, 2) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 3, 1)                      \
+    ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 4, 2) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 4, 1)
+ROWS_BLOCKS(bf16w, uint16_t, widen8, widen1)
+ROWS_BLOCKS(f32w, float, load8w, load1w)
+#undef ROWS_BLOCKS
 #undef ROWS_BLOCK
 
-/* The rows a few groups ahead on their way: short rows (256 bf16 = 8 cache lines for the shipped model)
- * give the hardware prefetcher little to learn from, and one thread streamed them at ~5 GB/s without. */
-#define PREFETCH_GROUPS 4
-static inline void prefetch_rows(const uint16_t *w, int64_t n) {
-    for (int64_t i = 0; i < n; i += 32) __builtin_prefetch(w + i, 0, 0);
+/* The rows 4 KB ahead on their way, at least the next group (best of 4-32 KB measured at M = 1..4): short rows (256 bf16 = 8
+ * cache lines for the shipped model) give the hardware prefetcher little to learn from, and one thread
+ * streamed them at ~5 GB/s without. */
+#define PREFETCH_BYTES 4096
+static inline void prefetch_bytes(const void *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 64) __builtin_prefetch((const char *)p + i, 0, 0);
 }
 
-/* Threads only for a weight big enough to pay for waking them (64k elements: 128 KB). */
-#define RUN_ROWS(M, R)                                                                                        \
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && N * K >= 65536)") \
-    for (int64_t g = 0; g < N / R; g++) {                                                                     \
-        if (g + PREFETCH_GROUPS < N / R) prefetch_rows(w + (g + PREFETCH_GROUPS) * R * K, R * K);            \
-        rows_##M##_##R(x, w + g * R * K, K, y + g * R, N, bias ? bias + g * R : 0);                          \
+/* Threads only for a weight big enough to pay for waking them (64k elements). */
+#define RUN_ROWS(NAME, M, R)                                                                                  \
+    {                                                                                                         \
+        const int64_t groups = N / R, ahead = 1 + PREFETCH_BYTES / (R * K * (int64_t)sizeof *w);             \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && N * K >= 65536)") \
+        for (int64_t g = 0; g < groups; g++) {                                                                \
+            if (g + ahead < groups) prefetch_bytes(w + (g + ahead) * R * K, R * K * (int64_t)sizeof *w);     \
+            NAME##_##M##_##R(x, w + g * R * K, K, y + g * R, N, bias ? bias + g * R : 0);                    \
+        }                                                                                                     \
+        for (int64_t n = groups * R; n < N; n++) NAME##_##M##_1(x, w + n * K, K, y + n, N, bias ? bias + n : 0); \
+        return 0;                                                                                             \
+    }
+#define DISPATCH(NAME)                                                                                        \
+    switch (M) {                                                                                              \
+    case 1: RUN_ROWS(NAME, 1, 4)                                                                              \
+    case 2: RUN_ROWS(NAME, 2, 4)                                                                              \
+    case 3: RUN_ROWS(NAME, 3, 2)                                                                              \
+    case 4: RUN_ROWS(NAME, 4, 2)                                                                              \
     }                                                                                                         \
-    for (int64_t n = N / R * R; n < N; n++) rows_##M##_1(x, w + n * K, K, y + n, N, bias ? bias + n : 0);
+    return -1;
 
-/* Returns 0, or -1 for M outside 1..4 (the caller then uses oneDNN). */
+/* Both return 0, or -1 for M outside 1..4 (the caller then uses oneDNN). */
 int tandem_linear_bf16w_f32(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M, int64_t N,
                             int64_t K, int num_threads) {
-    switch (M) {
-    case 1: { RUN_ROWS(1, 4) return 0; }
-    case 2: { RUN_ROWS(2, 4) return 0; }
-    case 3: { RUN_ROWS(3, 2) return 0; }
-    case 4: { RUN_ROWS(4, 2) return 0; }
-    }
-    return -1;
+    DISPATCH(bf16w)
+}
+
+int tandem_linear_f32w_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
+                           int64_t K, int num_threads) {
+    DISPATCH(f32w)
 }

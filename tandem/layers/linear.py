@@ -22,8 +22,11 @@ CPU case; the shipped model is one) has fp32 weights that are bf16 values widene
 SMALL_BATCH rows — a decode step of a few sequences, whose time is the bytes of the weights —
 `Linear` keeps those bf16 bits (checked exact once per weight version) and multiplies through
 kernels/csrc/linear_cpu.c, which widens them in registers: the same products from half the bytes
-(the shipped model's 25 linears at one row: 3.04 -> 2.20 ms at 1 thread, 2.10 -> 1.18 ms at 2). A
-weight that is not exactly bf16 (the 55M benchmark Llama's random fp32 ones) never takes it.
+(the shipped model's 25 linears at one row: 2.80 -> 1.16 ms at 1 thread, 2.23 -> 0.68 ms at 2). Other
+fp32 weights (the 55M benchmark Llama's random ones) go through the same kernel's fp32 variant for up
+to SMALL_BATCH_F32 rows: oneDNN's packed kernel streams such small products at 11-19 GB/s here, the C
+loop with its rows prefetched ahead at 16-26 GB/s (55M Llama, one row: 11.9 -> 9.5 ms at 1 thread,
+8.5 -> 6.5 ms at 2).
 
 The results differ from `F.linear` only by summation order (~1e-6 relative in fp32), as two BLAS
 builds would. `TANDEM_LINEAR=torch` switches back to `F.linear` (for A/B runs and as an escape
@@ -50,6 +53,7 @@ _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 PACK_ROWS = 64  # the batch size oneDNN lays packed weights out for (8 and 64 measured the same)
 _REORDER = getattr(_mkldnn, "_reorder_linear_weight", None) if _ONEDNN is not None else None
 SMALL_BATCH = 4  # rows up to which bf16-stored weights go through kernels/csrc/linear_cpu.c (measured 1-4)
+SMALL_BATCH_F32 = 3  # ... and fp32 ones (at 4 rows oneDNN's packed kernel was as fast)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -71,8 +75,15 @@ def _exact_bf16(w: torch.Tensor) -> torch.Tensor | None:
     """w as bf16 when that loses nothing (a CPU fp32 weight whose every value is a bf16 value), else None."""
     if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
         return None
-    narrow = w.detach().to(torch.bfloat16)
+    narrow = w.detach().to(torch.bfloat16).contiguous()
     return narrow if torch.equal(narrow.float(), w.detach()) else None
+
+
+def _weight_key(w: torch.Tensor) -> tuple:
+    """What identifies a weight's values for the copies made from it: its storage, shape and version
+    counter. A weight made under `torch.inference_mode()` has no version counter; writes to it in place
+    are not seen (the loader writes weights outside inference mode; a replaced weight is a new storage)."""
+    return (w.data_ptr(), None if w.is_inference() else w._version, tuple(w.shape))
 
 
 class Linear(nn.Linear):
@@ -92,23 +103,31 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self.packed_weight())
 
     def _small_batch(self, x: torch.Tensor) -> torch.Tensor | None:
-        """y = x W^T + b from the weight's bf16 bits (see the module docstring), or None where that does
-        not apply: not CPU fp32 inference, no native library, or a weight that is not exactly bf16."""
+        """y = x W^T + b through kernels/csrc/linear_cpu.c, from the weight's bf16 bits where they lose
+        nothing, else (up to SMALL_BATCH_F32 rows) from its fp32 values; None where neither applies: not
+        CPU fp32 inference, or no native library (see the module docstring)."""
         w = self.weight
-        key = (w.data_ptr(), w._version, w.shape)
+        key = _weight_key(w)
         if self._bf16_key != key:  # first use, or the weight was replaced or written
             self._bf16, self._bf16_key = _exact_bf16(w), key
-        narrow, bias = self._bf16, self.bias
-        if narrow is None or (w.requires_grad and torch.is_grad_enabled()) or (
-                bias is not None and bias.dtype != torch.float32) or x.numel() == 0:
+        narrow, bias, rows = self._bf16, self.bias, x.shape[0]
+        if (narrow is None and (rows > SMALL_BATCH_F32 or not self._plain_fp32(w))) or (
+                w.requires_grad and torch.is_grad_enabled()) or (
+                bias is not None and bias.dtype != torch.float32) or x.numel() == 0 or (
+                x.dtype != torch.float32 or not x.is_contiguous()):
             return None
         lib = fused._native(x)
         if lib is None:
             return None
-        y = x.new_empty((x.shape[0], w.shape[0]))
-        lib.tandem_linear_bf16w_f32(x.data_ptr(), narrow.data_ptr(), None if bias is None else bias.data_ptr(),
-                                    y.data_ptr(), x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads())
+        kernel = lib.tandem_linear_f32w_f32 if narrow is None else lib.tandem_linear_bf16w_f32
+        y = x.new_empty((rows, w.shape[0]))
+        kernel(x.data_ptr(), (w if narrow is None else narrow).data_ptr(), None if bias is None else bias.data_ptr(),
+               y.data_ptr(), rows, w.shape[0], w.shape[1], torch.get_num_threads())
         return y
+
+    @staticmethod
+    def _plain_fp32(w: torch.Tensor) -> bool:
+        return w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous()
 
     def packed_weight(self) -> torch.Tensor | None:
         """The weight in oneDNN's packed layout (CPU fp32 inference only), made on first use and again
@@ -117,7 +136,7 @@ class Linear(nn.Linear):
         if _REORDER is None or w.dtype != torch.float32 or w.device.type != "cpu" or (
                 w.requires_grad and torch.is_grad_enabled()):
             return None
-        key = (w.data_ptr(), w._version, tuple(w.shape))
+        key = _weight_key(w)
         if self._packed_key != key:
             self._packed, self._packed_key = _REORDER(w.detach(), PACK_ROWS), key
         return self._packed
