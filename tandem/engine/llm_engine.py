@@ -34,6 +34,7 @@ from tandem.engine.output_builder import OutputBuilder
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.strategies import resolve_eviction, resolve_quantizer
+from tandem.engine.thread_backoff import ThreadBackoff
 from tandem.models.config import ModelConfig
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import BeamSearchParams, SamplingParams
@@ -90,6 +91,7 @@ class LLMEngine:
         self.current_schedule = None
         self.kv_connector = KVConnector()
         self.speculator, self.spec_active, self.spec_switches = None, False, 0  # active: off above spec_max_batch
+        self.thread_backoff = ThreadBackoff() if config.torch_device.type == "cpu" else None
         if config.role != "prefill":  # a prefill worker never proposes: its speculator waits for a switch
             self.ensure_speculator()
 
@@ -237,6 +239,8 @@ class LLMEngine:
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.thread_backoff is not None:  # fewer threads while another process takes cores
+            self.thread_backoff.tick()
         outputs = self._apply_kv_updates()
         if self.speculator is not None:
             self._speculate()
