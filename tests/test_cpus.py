@@ -34,6 +34,23 @@ def test_more_workers_than_cores_share_cores_within_a_role_only():
         "prefill-0": [3], "decode-0": [3], "decode-1": [3]}
 
 
+def test_a_switched_worker_moves_to_the_other_roles_least_shared_core():
+    """tandem up passes these as --switch-cpus: after a role switch, still no core with both roles."""
+    p1d2 = cpus.plan(["prefill-0", "decode-0", "decode-1"], [0, 1])
+    assert cpus.switch_targets(p1d2) == {"prefill-0": [1], "decode-0": [0], "decode-1": [0]}
+    wide = cpus.plan(["prefill-0", "prefill-1", "prefill-2"] + [f"decode-{i}" for i in range(4)], [0, 1, 2, 3])
+    moves = cpus.switch_targets(wide)
+    for name, cores in wide.items():
+        other = {c for n, cs in wide.items() if n.split("-")[0] != name.split("-")[0] for c in cs}
+        assert moves[name][0] in other, name
+    counts = {c: sum(c in cs for cs in wide.values()) for c in range(4)}
+    assert moves["prefill-0"] == [min((c for c in range(4) if c in {x for n, cs in wide.items()
+                                                                    if n.startswith("decode") for x in cs}),
+                                      key=lambda c: counts[c])]
+    assert cpus.switch_targets(cpus.plan(["prefill-0", "decode-0"], [0, 1])) == {}  # own cores: keep them
+    assert cpus.switch_targets(cpus.plan(["decode-0", "decode-1", "decode-2"], [0, 1])) == {}  # one role
+
+
 def test_cgroup_quota_caps_the_budget(tmp_path):
     cpu_max = tmp_path / "cpu.max"
     for text, cores in (("max 100000\n", None), ("150000 100000\n", 2), ("50000 100000\n", 1), ("400000 100000", 4)):
@@ -64,12 +81,12 @@ def test_cpuset_and_share_specs():
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 @pytest.mark.parametrize("argv,message", [
     (["up", "--cpus-per-worker", "9999"], "--cpus-per-worker 9999 x 2 workers needs 19998 cores"),
     (["up", "--cpus-per-worker", "0"], "--cpus-per-worker must be >= 1"),
     (["decode", "--cpus", "0-99999", "--kv-connector", "none"], "not available to this process"),
     (["decode", "--cpus", "", "--kv-connector", "none"], "is empty"),
+    (["decode", "--switch-cpus", "0-99999", "--kv-connector", "none"], "--switch-cpus 0-99999: cores"),
 ])
 def test_bad_cpu_requests_exit_2_with_one_line(argv, message):
     out = subprocess.run([sys.executable, "-m", "tandem.cli", *argv], cwd=ROOT, env=ENV, capture_output=True,

@@ -3,9 +3,10 @@ role under load (no restart, prefix cache kept), a worker drained under load, an
 
 Cluster: router (--enable-admin), prefill p2 and decode d1 first (a prompt is prefilled on p2 so
 its blocks sit in p2's prefix cache), then prefill p1. While clients stream greedy requests:
-p2 -> decode, d1 -> prefill, then p1 is drained. Every request completes with the offline engine's
-greedy output; the drained worker exits 0; the KV invariant holds on every survivor; p2, now the
-only decode worker, serves the warm prompt from the blocks it cached as a prefill worker.
+p2 -> decode, d1 -> prefill (and onto its --switch-cpus core), then p1 is drained. Every request
+completes with the offline engine's greedy output; the drained worker exits 0; the KV invariant
+holds on every survivor; p2, now the only decode worker, serves the warm prompt from the blocks it
+cached as a prefill worker.
 """
 
 from __future__ import annotations
@@ -21,15 +22,25 @@ from service_procs import Proc, get_json, metric_value, post, router_endpoints, 
 from service_procs import worker_stats as stats_of
 from tiny_models import make_checkpoint
 
+from tandem.cli import cpus
+
 pytestmark = pytest.mark.slow
 
 ENGINE = ["--num-kv-blocks", "256", "--max-model-len", "512"]
 WARM = "The history of the city begins with a small market by the river, where traders from the hills"
 
 
-def _worker(role: str, wid: str, ckpt: str, router: str, logs) -> Proc:
+def _worker(role: str, wid: str, ckpt: str, router: str, logs, *extra: str) -> Proc:
     return Proc(wid, [sys.executable, "-m", "tandem.cli", role, "--model", ckpt, "--listen", "tcp://127.0.0.1:0",
-                      "--router", router, "--worker-id", wid, "--local-prefill-threshold", "0", *ENGINE], logs)
+                      "--router", router, "--worker-id", wid, "--local-prefill-threshold", "0", *ENGINE, *extra],
+                logs)
+
+
+def _cpus_of(proc: Proc) -> set[int]:
+    """The affinity mask the kernel reports for a worker process."""
+    with open(f"/proc/{proc.popen.pid}/status") as f:
+        line = next(x for x in f if x.startswith("Cpus_allowed_list:"))
+    return set(cpus.parse_cpuset(line.split(":", 1)[1].strip()))
 
 
 def _admin(http: str, path: str, body: dict | None = None) -> tuple[int, dict]:
@@ -97,8 +108,12 @@ def test_role_switch_and_drain_under_load(tmp_path):
     try:
         ep = router_endpoints(router)
         http = ep["http"]
-        procs += [_worker("prefill", "p2", ckpt, ep["listen"], logs), _worker("decode", "d1", ckpt, ep["listen"], logs)]
+        mask = sorted(cpus.available())
+        home, away = mask[0], mask[-1]  # d1 moves between them (one core: both the same, still checked)
+        d1 = _worker("decode", "d1", ckpt, ep["listen"], logs, "--cpus", str(home), "--switch-cpus", str(away))
+        procs += [_worker("prefill", "p2", ckpt, ep["listen"], logs), d1]
         wait_workers(http, decode=1, prefill=1)
+        assert _cpus_of(d1) == {home}
         prompts = [f"{WARM} number {i}:" for i in range(6)]
         offline = LLM(ckpt, num_kv_blocks=256, max_model_len=512)
         expected = {p: o.text for p, o in zip(
@@ -128,6 +143,7 @@ def test_role_switch_and_drain_under_load(tmp_path):
         time.sleep(1.0)
         assert _admin(http, "/d1/role", {"role": "prefill"})[0] == 202
         _wait(lambda: _roles(http).get("d1") == "prefill", "d1 to serve as prefill")
+        assert _cpus_of(d1) == {away}  # tandem up's --switch-cpus: the prefill role's core
         time.sleep(1.0)
         assert _admin(http, "/p1/drain")[0] == 202
         assert p1.popen.wait(60) == 0  # drained: finished what it had, deregistered, exited 0

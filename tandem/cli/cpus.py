@@ -174,6 +174,29 @@ def assign(names: list[str], budget: list[int], per_worker: int | None = None) -
     return plan(names, budget[:-1] if spare else budget, per_worker), spare
 
 
+def switch_targets(assignment: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Where shared cores keep the roles apart (`_shared_plan`), the core each worker moves to if it is
+    switched to the other role: that role's core with the fewest workers, so a role switch does not put
+    a prefill and a decode worker on one core. {} where every worker has cores of its own (a switched
+    worker keeps them: nobody else is on them) or the plan has one role."""
+    users: dict[int, int] = {}
+    for cores in assignment.values():
+        for c in cores:
+            users[c] = users.get(c, 0) + 1
+    if all(users[c] == 1 for c in users):
+        return {}
+    by_role: dict[str, set[int]] = {}
+    for name, cores in assignment.items():
+        by_role.setdefault(_role(name), set()).update(cores)
+    if len(by_role) != 2:
+        return {}
+    out = {}
+    for name in assignment:
+        other = next(cores for role, cores in by_role.items() if role != _role(name))
+        out[name] = [min(sorted(other), key=lambda c: users[c])]
+    return out
+
+
 def describe(assignment: dict[str, list[int]]) -> str:
     return ", ".join(f"{name} cpus {format_cpuset(c)} ({len(c)} thread{'s' * (len(c) != 1)})"
                      for name, c in assignment.items())
@@ -181,12 +204,15 @@ def describe(assignment: dict[str, list[int]]) -> str:
 
 def apply(spec: str | None) -> list[int]:
     """Pin this process to its cores and size torch's thread pool to match; returns the cores."""
+    if spec is None:
+        return pin(budget(os.environ), set_mask=False)
+    return pin(resolve(spec))
+
+
+def pin(cores: list[int], set_mask: bool = True) -> list[int]:
     import torch
 
-    if spec is not None:
-        cores = resolve(spec)
+    if set_mask:
         os.sched_setaffinity(0, cores)
-    else:
-        cores = budget(os.environ)
     torch.set_num_threads(len(cores))
     return cores

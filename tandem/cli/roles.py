@@ -62,6 +62,8 @@ def build_worker(role: str, engine: Any, args: argparse.Namespace, listen: Any, 
 def switch(old: Any, role: str, args: argparse.Namespace, transport: Any) -> Any:
     """Hand `old`'s engine, control socket, registration and metrics to a new `role` worker. `old` is idle."""
     old.release_role()
+    if args.switch_cpus is not None:  # the cores tandem up planned for this role
+        move_cores(old.engine, args.switch_cores[role], role)
     if role == "decode":
         old.engine.ensure_speculator()  # a prefill worker has not built it
     new = build_worker(role, old.engine, args, old.server, transport)
@@ -75,6 +77,21 @@ def switch(old: Any, role: str, args: argparse.Namespace, transport: Any) -> Any
     log.info("role switched: serving as %s" % role, address=new.address,
              kv_blocks_used=new.engine.stats()["kv_blocks_used"])
     return new
+
+
+def move_cores(engine: Any, cores: list[int], role: str) -> None:
+    """Pin to `cores` for `role`; a mask the kernel refuses now (a cpuset changed under us) keeps the old
+    one: a worker that cannot move still serves."""
+    from tandem.cli import cpus
+    from tandem.engine.thread_backoff import ThreadBackoff
+
+    try:
+        cpus.pin(cores)
+    except OSError as exc:
+        log.warning("kept its cpus after the role switch: %s" % exc, wanted=cpus.format_cpuset(cores))
+        return
+    engine.thread_backoff = ThreadBackoff()  # its full thread count is the new one
+    log.info("moved to cpus %s for the %s role" % (cpus.format_cpuset(cores), role), threads=len(cores))
 
 
 def same_host(address: str) -> str:

@@ -169,10 +169,13 @@ def run(args: argparse.Namespace) -> int:
         router = sup.start("router", tethered(router_args), env={**os.environ, "OMP_NUM_THREADS": "1"})
         ep = sup.router_endpoints(router, timeout=args.startup_timeout)
         ready = {}
+        switch_to = cpus.switch_targets(assignment)
         for name, role, worker_args in workers:
             cores = assignment[name]
             argv = [role, *worker_args, "--router", ep["listen"], "--worker-id", name,
                     "--cpus", cpus.format_cpuset(cores)]
+            if name in switch_to:
+                argv += ["--switch-cpus", cpus.format_cpuset(switch_to[name])]
             sup.start(name, tethered(argv), env={**os.environ, "OMP_NUM_THREADS": str(len(cores))})
         for name, role, _ in workers:
             ready[name] = sup.worker_ready(sup.children[name], role, timeout=args.startup_timeout)

@@ -40,6 +40,10 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="pin this worker to these cores and use one torch thread per core: a cpuset like 0-3,8, "
                         "or i/n for slice i of n of the affinity mask (default: every core the mask allows, "
                         "capped by OMP_NUM_THREADS)")
+    p.add_argument("--switch-cpus", default=None, metavar="CPUSET",
+                   help="the cores to move to while this worker serves the other role after a role switch "
+                        "(tandem up sets it where workers share cores, so a prefill and a decode worker never "
+                        "share one; default: keep --cpus)")
     add_link_args(p)
     add_engine_args(p)
     add_observability_args(p, worker=True)  # --metrics-port, --log-level, --log-prompts
@@ -88,6 +92,15 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
     from tandem.observability.cli import setup_worker_observability
 
     start_logging(args, role)
+    if args.switch_cpus is not None:  # resolved now, against the mask as started: a bad cpuset fails here
+        from tandem.cli import cpus
+
+        try:
+            away = cpus.resolve(args.switch_cpus)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("--cpus", "--switch-cpus", 1)) from None
+        args.switch_cores = {role: cpus.resolve(args.cpus) if args.cpus else cpus.budget(os.environ),
+                             "decode" if role == "prefill" else "prefill": away}
     if args.local_prefill_threshold < 0:
         raise ValueError("--local-prefill-threshold must be >= 0")
     if args.prefill_timeout <= 0:
