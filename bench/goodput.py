@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import sys
 import time
 from pathlib import Path
@@ -76,6 +77,36 @@ def shared_cores(split: Split) -> list[int] | None:
     groups = [tuple(assignment[n]) for n in names]
     core_of = [g[0] if groups.count(g) > 1 else -1 for g in groups]
     return core_of if any(c >= 0 for c in core_of) else None
+
+
+def tree_cpu_s(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of `root` and its descendants, by kind: "workers" (`tandem
+    prefill` / `tandem decode`) and "host" (the `tandem up` supervisor and the router)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    procs = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()  # after the command name, which may hold spaces
+        procs[int(pid)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, argv)  # ppid, cpu
+    out, todo = {"workers": 0.0, "host": 0.0}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in procs:
+            _, cpu, argv = procs[pid]
+            module = next((m for m in (b"tandem.cli", b"tandem.cli.up") if m in argv[:-1]), None)
+            role = argv[argv.index(module) + 1] if module else b""  # tandem up runs `-m tandem.cli.up ROLE`
+            out["workers" if role in (b"prefill", b"decode") else "host"] += cpu
+        todo += [child for child, (ppid, _, _) in procs.items() if ppid == pid]
+    return out
+
+
+def client_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def measured_outcome(split: Split, results, wl: workloads.Workload, slo: Slo) -> tuple[Outcome, int]:
@@ -134,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ready in {server.wait_ready(300):.0f} s; warming up", flush=True)
         warm_up(server.base, "bench", 128, n=2 * split.workers)
         print(f"{len(sent)} requests over {wl.duration_s:.0f} s ({wl.description})", flush=True)
-        t0 = time.monotonic()
+        t0, cpu0, client0 = time.monotonic(), tree_cpu_s(server.proc.pid), client_cpu_s()
         results = run_load(server.base, "bench", sent, timeout_s=max(120.0, 4 * a.duration))
         wall = time.monotonic() - t0
+        cpu1, client1 = tree_cpu_s(server.proc.pid), client_cpu_s()
     finally:
         server.stop()
     measured, failed = measured_outcome(split, results, wl, slo)
@@ -148,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n{split}: {len(results)} requests, {failed} failed, {wall:.0f} s; load average "
           f"{load_before[0]:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    tokens = sum(r.tokens for r in results if r.error is None)
+    cpu = {"workers_s": cpu1["workers"] - cpu0["workers"], "router_s": cpu1["host"] - cpu0["host"],
+           "client_s": client1 - client0, "wall_s": wall, "tokens": tokens}
+    print(f"cpu during the load: workers {cpu['workers_s']:.1f} s, router + supervisor {cpu['router_s']:.1f} s, "
+          f"client {cpu['client_s']:.1f} s over {wall:.0f} s; router + client "
+          f"{(cpu['router_s'] + cpu['client_s']) / max(tokens, 1) * 1e6:.0f} us per streamed token")
     print(f"SLOs: TTFT <= {a.ttft_slo:g} s, ITL <= {a.itl_slo:g} s")
     print(f"{'':<10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'in SLO':>7} {'goodput':>8}")
     print(row("measured", measured))
@@ -170,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                   "measured": outcome_dict(measured), "predicted": outcome_dict(predicted) if predicted else None,
                   "predicted_shared_cores": outcome_dict(shared) if shared else None,
                   "machine": machine_info(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "profile": a.profile, "windows": windows}
+                  "profile": a.profile, "windows": windows, "cpu": cpu}
         Path(a.out).write_text(json.dumps(record, indent=1) + "\n")
     return 0
 

@@ -17,6 +17,7 @@ class FakeRequest:  # what the processor reads from a Request
     def __init__(self, prompt, output, params, eos=(1,)):
         self.prompt_token_ids, self.output_token_ids, self.params = prompt, output, params
         self.num_output_tokens, self.eos_token_ids = len(output), set(eos)
+        self.token_ids, self.num_prompt_tokens = prompt + output, len(prompt)
 
 
 def reference_row(row, prompt, output, p, eos):

@@ -12,6 +12,8 @@ Rows of requests without any of these pass through untouched (no copy).
 
 from __future__ import annotations
 
+import array
+import itertools
 from typing import Any
 
 import torch
@@ -41,26 +43,44 @@ def process(rows: torch.Tensor, reqs: list[Any], extra: list[list[int]] | None =
             banned = [t for t in (*r.eos_token_ids, *p.stop_token_ids) if t < vocab]
             rows[i, banned] = float("-inf")
     pen = [i for i in todo if _penalized(reqs[i].params)]
-    if pen:  # the vocabulary-wide parts, vectorized over the rows
-        out_counts = torch.zeros((len(pen), vocab), dtype=rows.dtype, device=dev)
-        seen = torch.zeros((len(pen), vocab), dtype=torch.bool, device=dev)
-        for k, i in enumerate(pen):
-            r = reqs[i]
-            out = r.output_token_ids + (extra[i] if extra else [])
-            if out:
-                ids = torch.tensor(out, dtype=torch.long, device=dev)
-                out_counts[k].scatter_add_(0, ids, torch.ones_like(ids, dtype=rows.dtype))
-            seen[k, torch.tensor(r.prompt_token_ids, dtype=torch.long, device=dev)] = True
-        seen |= out_counts > 0
-        params = [reqs[i].params for i in pen]
-        rep = torch.tensor([p.repetition_penalty for p in params], dtype=rows.dtype, device=dev).unsqueeze(1)
-        freq = torch.tensor([p.frequency_penalty for p in params], dtype=rows.dtype, device=dev).unsqueeze(1)
-        pres = torch.tensor([p.presence_penalty for p in params], dtype=rows.dtype, device=dev).unsqueeze(1)
-        sub = rows[pen]
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-        sub = sub - freq * out_counts - pres * (out_counts > 0).to(rows.dtype)
-        rows[pen] = sub
+    if pen:
+        _penalize(rows, reqs, pen, extra)
     return rows
+
+
+def _penalize(rows: torch.Tensor, reqs: list[Any], pen: list[int], extra: list[list[int]] | None) -> None:
+    """The three penalties on rows `pen`, in place, touching only the (row, token) entries they change:
+    the tokens a request has seen, not its whole vocabulary row. Why: the shipped model's generation
+    config asks for repetition_penalty 1.2, so every request served with its defaults takes this path,
+    and a per-request loop of vocabulary-wide tensors cost ~20% of a decode worker's time at 64
+    requests (one tensor of indices for the whole batch instead)."""
+    dev, vocab = rows.device, rows.shape[1]
+    seqs = [reqs[i].token_ids + extra[i] if extra else reqs[i].token_ids for i in pen]  # prompt + output
+    lens = torch.tensor([len(q) for q in seqs], dtype=torch.long)
+    flat = torch.frombuffer(array.array("q", itertools.chain.from_iterable(seqs)), dtype=torch.long)
+    owner = torch.repeat_interleave(torch.arange(len(pen)), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    prompt_lens = torch.tensor([reqs[i].num_prompt_tokens for i in pen], dtype=torch.long)
+    is_output = torch.arange(len(flat)) - starts[owner] >= prompt_lens[owner]
+    row_of = torch.tensor(pen, dtype=torch.long)
+    params = [reqs[i].params for i in pen]
+    rep = torch.tensor([p.repetition_penalty for p in params], dtype=rows.dtype)
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=rows.dtype)
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=rows.dtype)
+    # repetition: once per distinct token of prompt + output
+    seen = torch.unique(owner * vocab + flat)
+    who, tok = seen // vocab, seen % vocab
+    r_idx, t_idx = row_of[who].to(dev), tok.to(dev)
+    vals = rows[r_idx, t_idx]
+    f = rep[who].to(dev)
+    rows[r_idx, t_idx] = torch.where(vals > 0, vals / f, vals * f)
+    # frequency and presence: once per distinct output token, with its count
+    if bool((freq != 0).any() or (pres != 0).any()) and bool(is_output.any()):
+        keys, counts = torch.unique((owner * vocab + flat)[is_output], return_counts=True)
+        who, tok = keys // vocab, keys % vocab
+        r_idx, t_idx = row_of[who].to(dev), tok.to(dev)
+        vals = rows[r_idx, t_idx] - (freq[who] * counts.to(rows.dtype)).to(dev)
+        rows[r_idx, t_idx] = vals - pres[who].to(dev)
 
 
 def _penalized(params: Any) -> bool:
