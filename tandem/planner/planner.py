@@ -82,9 +82,8 @@ def summarise(split: Split, res: SimResult, slo: Slo) -> Outcome:
 
 
 def simulate(cost: CostModel, split: Split, wl: Workload, slo: Slo, local_prefill_threshold: int = 32,
-             core_of: list[int] | None = None, shared_penalty: float = 1.0, host_share: float = 0.0) -> Outcome:
-    sim = Simulator(cost, split.prefill, split.decode, split.colocated, local_prefill_threshold, core_of,
-                    shared_penalty, host_share)
+             core_of: list[int] | None = None) -> Outcome:
+    sim = Simulator(cost, split.prefill, split.decode, split.colocated, local_prefill_threshold, core_of)
     return summarise(split, sim.run(wl), slo)
 
 

@@ -14,10 +14,8 @@ What it models, following the engine (docs/ARCHITECTURE.md, "One request, disagg
    step costs `CostModel.mixed_step(batch, mean context, prefill tokens)`.
 Colocated workers are D workers that prefill everything themselves.
 5. Optionally (`core_of`), workers sharing a CPU core (`tandem up` with more workers than cores) are
-   processor-shared: while k are busy each step advances at 1/k speed (1/(k * shared_penalty) for
-   k > 1: time-slicing loses more than the share, docs/PLANNING.md), re-timed whenever one starts or
-   stops (one step per event there). `host_share`: the part of every core the router and the clients
-   take (measured by bench/goodput.py); every step is 1/(1 - host_share) longer.
+   processor-shared: while k are busy each step advances at 1/k speed, re-timed whenever one starts
+   or stops (one step per event there). Real time-slicing loses more (docs/PLANNING.md).
 
 Speed: one event per worker step, never per token. A running request is a (finishing step, id) entry
 in its worker's heap and the batch's total context is kept as a running sum, so a step costs O(1)
@@ -99,8 +97,7 @@ class SimResult:
 
 class Simulator:
     def __init__(self, cost: CostModel, prefill_workers: int, decode_workers: int, colocated: bool = False,
-                 local_prefill_threshold: int = 32, core_of: list[int] | None = None, shared_penalty: float = 1.0,
-                 host_share: float = 0.0) -> None:
+                 local_prefill_threshold: int = 32, core_of: list[int] | None = None) -> None:
         if decode_workers < 1 or prefill_workers < 0 or (colocated and prefill_workers):
             raise ValueError(f"need >= 1 decode (or colocated) worker and no prefill worker when colocated, got "
                              f"{prefill_workers}P:{decode_workers}D{' colocated' if colocated else ''}")
@@ -117,11 +114,6 @@ class Simulator:
                                  f"{prefill_workers + decode_workers}")
             for w, core in zip(self.p + self.d, core_of):
                 w.core = core
-        if shared_penalty < 1.0 or not 0.0 <= host_share < 1.0:
-            raise ValueError(f"shared_penalty must be >= 1 and host_share in [0, 1), got {shared_penalty}, "
-                             f"{host_share}")
-        self.shared_penalty = shared_penalty
-        self.host_slow = 1.0 / (1.0 - host_share)  # every step: the router and clients take this share of each core
         self.busy_on_core: dict[int, int] = {}
         self.mates: dict[int, list[Worker]] = {}
         for w in self.p + self.d:
@@ -195,14 +187,9 @@ class Simulator:
         new = self.busy_on_core[w.core] = old + delta
         for mate in self.mates[w.core]:
             if mate is not w and mate.busy:
-                mate.left = max(0.0, mate.left - (t - mate.since) / self._slow(old))
+                mate.left = max(0.0, mate.left - (t - mate.since) / old)
                 mate.since = t
-                mate.end_seq = self._push(t + mate.left * self._slow(new), 1 if mate.kind == PREFILL else 0, mate.idx)
-
-    def _slow(self, busy: int) -> float:
-        """How many times longer a step takes on a core with `busy` busy workers: k, times the penalty
-        measured for time-slicing (context switches, cold caches) when k > 1."""
-        return busy * self.shared_penalty if busy > 1 else float(busy)
+                mate.end_seq = self._push(t + mate.left * new, 1 if mate.kind == PREFILL else 0, mate.idx)
 
     def _join(self, w: Worker, i: int, step: int) -> None:
         """Request i decodes from `step` on, holding prompt + 1 tokens then; it needs out - 1 more tokens."""
@@ -267,11 +254,10 @@ class Simulator:
             # step; step time is (piecewise) linear in it, so the middle step's time is the mean.
             m = w.running[0][0] - w.k + 1
             w.macro_m, dt = m, cost.decode_step(w.batch, ctx + (m - 1) / 2)
-        dt *= self.host_slow
         end = t + w.macro_m * dt
         if w.core >= 0:
             w.left, w.since = dt, t
-            end = t + dt * self._slow(self.busy_on_core[w.core])
+            end = t + dt * self.busy_on_core[w.core]
         w.macro_start, w.macro_dt = t, dt
         w.end_seq = self._push(end, 1 if w.kind == PREFILL else 0, w.idx)
 
