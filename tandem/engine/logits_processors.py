@@ -67,12 +67,11 @@ def _penalize(rows: torch.Tensor, reqs: list[Any], pen: list[int], extra: list[l
     rep = torch.tensor([p.repetition_penalty for p in params], dtype=rows.dtype)
     freq = torch.tensor([p.frequency_penalty for p in params], dtype=rows.dtype)
     pres = torch.tensor([p.presence_penalty for p in params], dtype=rows.dtype)
-    # repetition: once per distinct token of prompt + output
-    seen = torch.unique(owner * vocab + flat)
-    who, tok = seen // vocab, seen % vocab
-    r_idx, t_idx = row_of[who].to(dev), tok.to(dev)
+    # repetition: every value is computed from the logits before any is written, so a token seen twice
+    # is written twice with the same value: no need to deduplicate (a sort of all the ids) first
+    r_idx, t_idx = row_of[owner].to(dev), flat.to(dev)
     vals = rows[r_idx, t_idx]
-    f = rep[who].to(dev)
+    f = rep[owner].to(dev)
     rows[r_idx, t_idx] = torch.where(vals > 0, vals / f, vals * f)
     # frequency and presence: once per distinct output token, with its count
     if bool((freq != 0).any() or (pres != 0).any()) and bool(is_output.any()):
