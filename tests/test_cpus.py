@@ -4,7 +4,6 @@ from /proc: disjoint affinity masks, thread counts that add up to at most the co
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -103,19 +102,6 @@ def _allowed(pid: int) -> list[int]:
     return cpus.parse_cpuset(line.split(":", 1)[1].strip())
 
 
-def _child_running(parent: int, command: bytes) -> int:
-    """The pid of `parent`'s child whose command line has `command` as an argument."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = open(f"/proc/{pid}/stat").read()
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if int(stat[stat.rindex(")") + 2:].split()[1]) == parent and command in argv:
-            return int(pid)
-    raise AssertionError(f"no child of {parent} runs {command!r}")
-
-
 @pytest.mark.parametrize("omp", [None, str(len(cpus.available()))], ids=["omp-unset", "omp-exported"])
 def test_tandem_up_gives_workers_disjoint_cores(tmp_path, omp):
     # exported, OMP_NUM_THREADS is the budget for all of tandem, not a per-worker count
@@ -133,11 +119,6 @@ def test_tandem_up_gives_workers_disjoint_cores(tmp_path, omp):
         if n >= len(workers):
             everything = [c for mask in masks.values() for c in mask]
             assert len(everything) == len(set(everything)), f"overlapping masks: {masks}"
-        # the router: a core of its own when one is spare (then unpinned), else the prefill workers' cores
-        router = _allowed(_child_running(up.popen.pid, b"router"))
-        budget = cpus.budget({"OMP_NUM_THREADS": omp} if omp else {})
-        spare = len(budget) > len(workers)
-        assert router == (cpus.available() if spare else masks["prefill-0"]), (router, masks)
         assert "cpu plan: " in up.log.read_text()
     finally:
         up.stop(timeout=30)

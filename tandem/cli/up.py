@@ -8,7 +8,7 @@ What `tandem up` does:
    Each worker gets its own cores (tandem/cli/cpus.py): the budget — the affinity mask, capped by
    an exported OMP_NUM_THREADS — split into disjoint slices, or --cpus-per-worker each; the plan is
    printed; with a core to spare, the last one is left to the router (asyncio, one thread, no torch)
-   and its clients; without, the router is pinned to the prefill workers' cores, away from decode.
+   and its clients.
 4. Poll the router's /health until it sees all of them; print the endpoints, a curl example and one
    machine-readable `tandem-up-ready {json}` line.
 5. Supervise (tandem/cli/supervise.py). A worker that exits is reported by name with its last output
@@ -146,41 +146,27 @@ def build_commands(args: argparse.Namespace, model: str) -> tuple[list[str], lis
     return router, workers
 
 
-def cpu_plan(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, list[int]], list[int] | None, str]:
-    """Each worker's cores out of the budget, the router's (None: unpinned), and the line that tells the user.
-
-    With no core to spare, the router shares the prefill workers' cores: its work comes per streamed
-    token, and on a decode worker's core every slice it takes delays the next token of every stream
-    (P/D on 2 cores, router unpinned: ITL p50 up to 1.04x vLLM's at 8 req/s, docs/PERFORMANCE.md)."""
+def cpu_plan(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, list[int]], str]:
+    """Each worker's cores out of the budget, and the line that tells the user."""
     budget = cpus.budget(os.environ)
     assignment, spare = cpus.assign(names, budget, args.cpus_per_worker)
     source = "OMP_NUM_THREADS" if os.environ.get("OMP_NUM_THREADS") else "the affinity mask"
-    prefill_cores = sorted({c for name, cores in assignment.items() if name.startswith("prefill-") for c in cores})
-    router = None if spare or not prefill_cores else prefill_cores
-    if spare:
-        rest = f"cpu {budget[-1]} left to the router and clients"
-    elif router:
-        rest = f"router on cpus {cpus.format_cpuset(router)} (the prefill workers': no core to spare)"
-    else:
-        rest = "router unpinned"
+    rest = f"cpu {budget[-1]} left to the router and clients" if spare else "router unpinned"
     shared = " (more workers than cores: they share)" if len(names) > len(budget) else ""
-    return assignment, router, (f"cpu plan: {len(budget)} cores from {source} (cpus {cpus.format_cpuset(budget)}): "
-                                f"{cpus.describe(assignment)}; {rest}{shared}")
+    return assignment, (f"cpu plan: {len(budget)} cores from {source} (cpus {cpus.format_cpuset(budget)}): "
+                        f"{cpus.describe(assignment)}; {rest}{shared}")
 
 
 def run(args: argparse.Namespace) -> int:
     model = resolve_model_path(args.model)
     router_args, workers = build_commands(args, model)
     prefill, decode = _counts(args)
-    assignment, router_cores, plan_line = cpu_plan(args, [name for name, _, _ in workers])
+    assignment, plan_line = cpu_plan(args, [name for name, _, _ in workers])
     print(f"tandem up: {plan_line}", file=sys.stderr, flush=True)
     sup = Supervisor(echo=not args.quiet)
 
     def start_all() -> dict:
-        router_env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        if router_cores:
-            router_env[TETHER_CPUS_ENV] = cpus.format_cpuset(router_cores)
-        router = sup.start("router", tethered(router_args), env=router_env)
+        router = sup.start("router", tethered(router_args), env={**os.environ, "OMP_NUM_THREADS": "1"})
         ep = sup.router_endpoints(router, timeout=args.startup_timeout)
         ready = {}
         switch_to = cpus.switch_targets(assignment)
@@ -201,9 +187,6 @@ def run(args: argparse.Namespace) -> int:
     return run_supervised(sup, start_all, "tandem up", summary)
 
 
-TETHER_CPUS_ENV = "TANDEM_TETHERED_CPUS"  # tandem up -> a tethered child: the cores to pin itself to
-
-
 def tethered(argv: list[str]) -> list[str]:
     """The command line that runs `tandem ARGV...` tethered to its parent (see the module docstring)."""
     return [sys.executable, "-m", "tandem.cli.up", *argv]
@@ -221,9 +204,6 @@ def run_tethered(argv: list[str]) -> int:
         time.sleep(TETHER_GRACE_S)
         os._exit(1)
 
-    pin = os.environ.pop(TETHER_CPUS_ENV, None)
-    if pin:  # before any thread starts: each thread takes its mask from the one that made it
-        os.sched_setaffinity(0, cpus.parse_cpuset(pin))
     threading.Thread(target=watch, name="tether", daemon=True).start()
     from tandem.cli import main
 
