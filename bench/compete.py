@@ -1,7 +1,7 @@
 """Offline throughput with a CPU-hungry neighbour: tandem vs vLLM's CPU build, each alone and then
 while another process spins on the CPU, on the same checkpoint and requests.
 
-    python -m bench.compete --vllm-python /path/to/vllm-venv/bin/python [--model DIR] [--requests 32]
+    python -m bench.compete --vllm-python /path/to/vllm-venv/bin/python [--model DIR] [--requests 32] [--also-threads 1]
 
 Each engine runs the seeded workload of bench/offline_throughput.py (`--requests` of them: prompts
 U[32, 512], outputs U[16, 256], greedy, ignore_eos, token-id prompts) in a fresh subprocess with the
@@ -68,6 +68,9 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--also-threads", type=int, default=None, metavar="N",
+                    help="also run tandem with OMP_NUM_THREADS=N (1: the one compute core vLLM's CPU build uses on "
+                         "x86 when it reserves a core for its scheduler), for a same-cores comparison")
     a = ap.parse_args()
     model = a.model or tempfile.mkdtemp(prefix="tandem-compete-")
     if a.model is None:
@@ -78,21 +81,26 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": REPO, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("OMP_NUM_THREADS", None)  # every engine takes every core, as a user's default run does
-    engines = [("tandem", sys.executable, TANDEM)] + ([("vllm", a.vllm_python, VLLM)] if a.vllm_python else [])
+    engines = [("tandem", sys.executable, TANDEM, env)]
+    if a.also_threads:
+        fewer = {**env, "OMP_NUM_THREADS": str(a.also_threads)}
+        engines.append((f"tandem-{a.also_threads}t", sys.executable, TANDEM, fewer))
+    if a.vllm_python:
+        engines.append(("vllm", a.vllm_python, VLLM, env))
     rows = []
-    for name, python, script in engines:
-        alone = run(python, script, model, work_file, env)
+    for name, python, script, engine_env in engines:
+        alone = run(python, script, model, work_file, engine_env)
         spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
             time.sleep(1)
-            crowded = run(python, script, model, work_file, env)
+            crowded = run(python, script, model, work_file, engine_env)
         finally:
             spinner.kill()
             spinner.wait()
         rows.append((name, alone, crowded))
-    print(f"{'engine':8} {'alone tok/s':>12} {'with a spinning neighbour':>26} {'lost':>6}")
+    print(f"{'engine':10} {'alone tok/s':>12} {'with a spinning neighbour':>26} {'lost':>6}")
     for name, alone, crowded in rows:
-        print(f"{name:8} {alone:12.1f} {crowded:26.1f} {1 - crowded / alone:6.0%}")
+        print(f"{name:10} {alone:12.1f} {crowded:26.1f} {1 - crowded / alone:6.0%}")
 
 
 if __name__ == "__main__":
