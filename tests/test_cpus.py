@@ -34,6 +34,20 @@ def test_more_workers_than_cores_share_cores_within_a_role_only():
         "prefill-0": [3], "decode-0": [3], "decode-1": [3]}
 
 
+def test_role_aware_shares_follow_tandem_ups_plan():
+    """tandem launch passes "i/n:p" (the first p of the host's n workers are prefill): past the host's
+    core count the worker takes tandem up's role-grouped core and knows where a role switch moves it."""
+    assert [cpus.resolve(f"{i}/3:1", allowed=[0, 1]) for i in range(3)] == [[0], [1], [1]]
+    assert [cpus.switch_share(f"{i}/3:1", allowed=[0, 1]) for i in range(3)] == [[1], [0], [0]]
+    assert [cpus.resolve(f"{i}/3", allowed=[0, 1]) for i in range(3)] == [[0], [1], [0]]  # roles unknown
+    assert cpus.switch_share("1/3", allowed=[0, 1]) is None
+    assert cpus.resolve("1/2:1", allowed=[0, 1, 2, 3]) == cpus.plan(["prefill-0", "decode-0"], [0, 1, 2, 3])[
+        "decode-0"]
+    assert cpus.switch_share("1/2:1", allowed=[0, 1, 2, 3]) is None  # cores of its own: it keeps them
+    with pytest.raises(ValueError, match="p <= n"):
+        cpus.resolve("0/2:3", allowed=[0, 1])
+
+
 def test_a_switched_worker_moves_to_the_other_roles_least_shared_core():
     """tandem up passes these as --switch-cpus: after a role switch, still no core with both roles."""
     p1d2 = cpus.plan(["prefill-0", "decode-0", "decode-1"], [0, 1])

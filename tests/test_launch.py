@@ -126,6 +126,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_a_host_with_both_roles_gets_role_aware_shares(tmp_path, capsys):
+    """Without cpus:, each worker's --cpus is its share of the host, "i/n:p" with p = the host's prefill
+    workers, so that past the host's core count roles share cores only within themselves (docs/CPUS.md)."""
+    path = tmp_path / "cluster.yaml"
+    path.write_text(textwrap.dedent("""\
+        model: /models/m
+        insecure_links: true
+        router: {host: 10.0.0.1}
+        hosts:
+          - host: 10.0.0.2
+            prefill: {count: 1}
+            decode: {count: 2}
+        """))
+    remote = {name.split(" ")[0]: shlex.split(argv[-1]) for name, argv in dry_run(path, capsys)}  # ssh ... 'CMD'
+    shares = {name: cmd[cmd.index("--cpus") + 1] for name, cmd in remote.items() if "--cpus" in cmd}
+    assert shares == {"10.0.0.2-prefill-0": "0/3:1", "10.0.0.2-decode-0": "1/3:1", "10.0.0.2-decode-1": "2/3:1"}
+
+
 def test_localhost_cluster_serves_and_stops_cleanly(tmp_path):
     from tandem import LLM, SamplingParams
 

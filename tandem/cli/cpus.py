@@ -12,7 +12,9 @@ wait for a thread the other process preempted), for seconds at a time. So:
   `torch.set_num_threads(len(slice))`); one started without takes what its affinity mask allows.
 
 `--cpus` takes a cpuset ("0-3,8") or a share "i/n": slice i of n of the worker's own affinity mask,
-for hosts whose core count the launcher does not know (`tandem launch` over ssh).
+for hosts whose core count the launcher does not know (`tandem launch` over ssh). "i/n:p" says the
+first p of the host's n workers are prefill workers: with more workers than cores the share is then
+`tandem up`'s role-grouped plan, and the worker knows where to move on a role switch (`switch_share`).
 """
 
 from __future__ import annotations
@@ -89,24 +91,47 @@ def parse_cpuset(text: str) -> list[int]:
     return sorted(cores)
 
 
+_SHARE = re.compile(r"\s*(\d+)\s*/\s*(\d+)\s*(?::\s*(\d+)\s*)?")
+
+
 def resolve(spec: str, allowed: list[int] | None = None) -> list[int]:
-    """A worker's `--cpus` value (cpuset or share "i/n") -> its cores, all within `allowed`."""
-    share = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", spec)
+    """A worker's `--cpus` value (cpuset, share "i/n" or "i/n:p") -> its cores, all within `allowed`."""
+    share = _SHARE.fullmatch(spec)
     if allowed is None:  # a share divides the budget; a cpuset must lie within the mask
         allowed = budget(os.environ) if share else available()
     if share:
-        i, n = int(share.group(1)), int(share.group(2))
-        if not 0 <= i < n:
-            raise ValueError(f"--cpus {spec}: a share is i/n with 0 <= i < n")
-        if n > len(allowed):  # more workers than cores: they share, one core each
-            return [allowed[i % len(allowed)]]
-        return slices(allowed, n)[i]
+        plan_, name = _share_plan(spec, share, allowed)
+        return plan_[name]
     cores = parse_cpuset(spec)
     outside = [c for c in cores if c not in allowed]
     if outside:
         raise ValueError(f"--cpus {spec}: cores {format_cpuset(outside)} are not available to this process "
                          f"(its affinity mask allows {format_cpuset(allowed)})")
     return cores
+
+
+def switch_share(spec: str, allowed: list[int] | None = None) -> list[int] | None:
+    """For a share "i/n:p" whose host has more workers than cores, the core to move to on a role switch
+    (as `tandem up` passes --switch-cpus); None where the worker keeps its cores."""
+    share = _SHARE.fullmatch(spec)
+    if not share or share.group(3) is None:
+        return None
+    plan_, name = _share_plan(spec, share, budget(os.environ) if allowed is None else allowed)
+    return switch_targets(plan_).get(name)
+
+
+def _share_plan(spec: str, share: re.Match, allowed: list[int]) -> tuple[dict[str, list[int]], str]:
+    """The host's plan a share stands for, and this worker's name in it."""
+    i, n = int(share.group(1)), int(share.group(2))
+    if not 0 <= i < n:
+        raise ValueError(f"--cpus {spec}: a share is i/n with 0 <= i < n")
+    p = n if share.group(3) is None else int(share.group(3))
+    if p > n:
+        raise ValueError(f"--cpus {spec}: i/n:p names p of the host's n workers as prefill, so p <= n")
+    names = [f"prefill-{k}" for k in range(p)] + [f"decode-{k}" for k in range(n - p)]
+    if n > len(allowed) and share.group(3) is None:  # roles unknown: one core each, round-robin
+        return {name: [allowed[k % len(allowed)]] for k, name in enumerate(names)}, names[i]
+    return plan(names, allowed), names[i]
 
 
 def slices(cores: list[int], n: int) -> list[list[int]]:

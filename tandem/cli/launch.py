@@ -109,8 +109,11 @@ def plan(cluster: dict[str, Any]) -> tuple[Planned, list[Planned]]:
             for k in range(spec["count"]):
                 # each worker its own cores: the role's cpuset cut in `count` slices, else its share of
                 # the host's affinity mask (decided on the host, whose core count we do not know here)
+                # (":p" names the first p as prefill: past the host's core count the roles then share
+                # cores only within themselves, as under tandem up)
+                both = h["prefill"]["count"] and h["decode"]["count"]
                 cores = (cpus.format_cpuset(cpus.slices(spec["cpus"], spec["count"])[k]) if spec["cpus"]
-                         else f"{slot}/{on_host}")
+                         else f"{slot}/{on_host}" + (f":{h['prefill']['count']}" if both else ""))
                 slot += 1
                 name = f"{h['host']}-{role}-{k}"
                 port = spec["port"] + k if spec["port"] else 0

@@ -62,7 +62,7 @@ def build_worker(role: str, engine: Any, args: argparse.Namespace, listen: Any, 
 def switch(old: Any, role: str, args: argparse.Namespace, transport: Any) -> Any:
     """Hand `old`'s engine, control socket, registration and metrics to a new `role` worker. `old` is idle."""
     old.release_role()
-    if args.switch_cpus is not None:  # the cores tandem up planned for this role
+    if args.switch_cores is not None:  # the cores tandem up (or tandem launch's share) planned for this role
         move_cores(old.engine, args.switch_cores[role], role)
     if role == "decode":
         old.engine.ensure_speculator()  # a prefill worker has not built it

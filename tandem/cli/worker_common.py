@@ -38,8 +38,8 @@ def add_worker_args(p: argparse.ArgumentParser, default_port: int) -> None:
                    help="decode role: seconds without KV progress before recomputing a prompt locally")
     p.add_argument("--cpus", default=None, metavar="CPUSET|i/n",
                    help="pin this worker to these cores and use one torch thread per core: a cpuset like 0-3,8, "
-                        "or i/n for slice i of n of the affinity mask (default: every core the mask allows, "
-                        "capped by OMP_NUM_THREADS)")
+                        "or i/n for slice i of n of the affinity mask (i/n:p: the first p of the n are prefill "
+                        "workers; default: every core the mask allows, capped by OMP_NUM_THREADS)")
     p.add_argument("--switch-cpus", default=None, metavar="CPUSET",
                    help="the cores to move to while this worker serves the other role after a role switch "
                         "(tandem up sets it where workers share cores, so a prefill and a decode worker never "
@@ -92,15 +92,18 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
     from tandem.observability.cli import setup_worker_observability
 
     start_logging(args, role)
-    if args.switch_cpus is not None:  # resolved now, against the mask as started: a bad cpuset fails here
-        from tandem.cli import cpus
+    from tandem.cli import cpus
 
-        try:
-            away = cpus.resolve(args.switch_cpus)
-        except ValueError as exc:
-            raise ValueError(str(exc).replace("--cpus", "--switch-cpus", 1)) from None
-        args.switch_cores = {role: cpus.resolve(args.cpus) if args.cpus else cpus.budget(os.environ),
-                             "decode" if role == "prefill" else "prefill": away}
+    # Where to move on a role switch, resolved now against the mask as started (a bad cpuset fails here):
+    # --switch-cpus, or what a role-aware share "i/n:p" (tandem launch) implies; None: keep the cores.
+    try:
+        away = (cpus.resolve(args.switch_cpus) if args.switch_cpus is not None
+                else cpus.switch_share(args.cpus) if args.cpus else None)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("--cpus", "--switch-cpus", 1) if args.switch_cpus else str(exc)) from None
+    args.switch_cores = None if away is None else {
+        role: cpus.resolve(args.cpus) if args.cpus else cpus.budget(os.environ),
+        "decode" if role == "prefill" else "prefill": away}
     if args.local_prefill_threshold < 0:
         raise ValueError("--local-prefill-threshold must be >= 0")
     if args.prefill_timeout <= 0:
