@@ -87,14 +87,27 @@ def sender_main(connector: str, n_blocks: int, n_requests: int, warmup: int, fra
         for layer in range(LAYOUT.num_layers):
             tx.send_layer(address, f"req-{i}", layer, cache, None, src, dest)
 
+    # The reference copy runs here, between transfers: this VM's memory bandwidth drifts by 2x within
+    # minutes, so a memcpy timed in another process at another moment makes a noisy denominator.
+    copies = [torch.randn(n_blocks * LAYOUT.block_nbytes * LAYOUT.num_layers // 4) for _ in range(2)]
+    memcpy: list[float] = []
+
+    def time_memcpy() -> None:
+        t0 = time.perf_counter()
+        copies[1].copy_(copies[0])
+        memcpy.append(time.perf_counter() - t0)
+
     latencies = []
     for i in range(n_requests):
+        time_memcpy()
         t0 = time.perf_counter()
         send(i)
         ok = tx.finish(f"req-{i}", timeout_s=60)
         latencies.append(time.perf_counter() - t0)
         if not ok:
             print(f"req-{i} not acknowledged", file=sys.stderr)
+    for _ in range(n_requests):
+        time_memcpy()
     t0 = time.perf_counter()
     futures = []
     for i in range(n_requests, 2 * n_requests):
@@ -104,12 +117,14 @@ def sender_main(connector: str, n_blocks: int, n_requests: int, warmup: int, fra
     streamed = (time.perf_counter() - t0) / n_requests
     if acked != n_requests:
         print(f"streamed: {n_requests - acked} not acknowledged", file=sys.stderr)
-    conn.send((latencies[warmup:], streamed))
+    conn.send((latencies[warmup:], streamed, memcpy[warmup:]))
     tx.close()
 
 
-def run_connector(variant: str, n_blocks: int, iters: int, warmup: int, fragmented: bool) -> tuple[float, float]:
-    """(median one-at-a-time seconds, streamed seconds per transfer) between two fresh processes."""
+def run_connector(variant: str, n_blocks: int, iters: int, warmup: int, fragmented: bool
+                  ) -> tuple[float, float, float]:
+    """(median one-at-a-time seconds, streamed seconds per transfer, median memcpy seconds timed in
+    the sender between transfers) between two fresh processes."""
     connector, bind = VARIANTS[variant]
     if variant == "zmq-ipc":
         bind = f"ipc:///tmp/tandem-kv-bench-{os.getpid()}.sock"
@@ -122,12 +137,12 @@ def run_connector(variant: str, n_blocks: int, iters: int, warmup: int, fragment
     address, dest = r_conn.recv()
     tx = ctx.Process(target=sender_main, args=(connector, n_blocks, n, warmup, fragmented, address, dest, s_child))
     tx.start()
-    latencies, streamed = s_conn.recv()
+    latencies, streamed, memcpy = s_conn.recv()
     r_conn.recv()
     r_conn.send("bye")
     tx.join(30)
     rx.join(30)
-    return statistics.median(latencies), streamed
+    return statistics.median(latencies), streamed, statistics.median(memcpy)
 
 
 def memcpy_times(nbytes: int, iters: int) -> list[float]:
@@ -168,8 +183,10 @@ def main() -> None:
     tcp = raw_tcp_times(nbytes, args.iters, args.warmup)
     row("raw-tcp", tcp)
     for variant in args.connectors.split(","):
-        times = run_connector(variant, n_blocks, args.iters, args.warmup, args.fragmented)
-        row(variant, times)
+        *times, local = run_connector(variant, n_blocks, args.iters, args.warmup, args.fragmented)
+        row(variant, tuple(times))
+        print(f"{'':<11} of the memcpy timed in the sender between its transfers ({local * 1e3:.2f} ms): "
+              f"{local / times[0]:.0%} one-at-a-time, {local / times[1]:.0%} streamed")
         if variant.endswith("-tcp") or variant == "torch_dist":
             print(f"{'':<11} of raw tcp: {tcp[0] / times[0]:.0%} one-at-a-time, {tcp[1] / times[1]:.0%} streamed")
 

@@ -82,8 +82,7 @@ class CacheLayout:
 
     @property
     def block_nbytes(self) -> int:
-        itemsize = torch.empty((), dtype=self.torch_kv_dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.torch_kv_dtype.itemsize
 
     @property
     def scale_block_nbytes(self) -> int:

@@ -16,6 +16,9 @@ MAX_SLICE_RUNS = 8  # past this many runs, per-run Python overhead beats one gat
 
 def block_runs(dst_ids: list[int], src_ids: list[int]) -> list[tuple[int, int, int]]:
     """(dst_start, src_start, length) for maximal runs where both id lists advance by one."""
+    n = len(dst_ids)
+    if n and n == len(src_ids) and _consecutive(dst_ids) and _consecutive(src_ids):
+        return [(dst_ids[0], src_ids[0], n)]  # the usual case, without a Python loop per block
     runs: list[tuple[int, int, int]] = []
     for d, s in zip(dst_ids, src_ids):
         if runs:
@@ -25,6 +28,11 @@ def block_runs(dst_ids: list[int], src_ids: list[int]) -> list[tuple[int, int, i
                 continue
         runs.append((d, s, 1))
     return runs
+
+
+def _consecutive(ids: list[int]) -> bool:
+    first = ids[0]
+    return ids[-1] - first == len(ids) - 1 and ids == list(range(first, first + len(ids)))
 
 
 def _index(ids: list[int], device: torch.device) -> torch.Tensor:

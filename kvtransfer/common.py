@@ -12,7 +12,7 @@ import torch
 
 from kvtransfer.base import CacheLayout
 from kvtransfer.wire import KVHeader
-from tandem.protocol.codec import MAX_ID_LEN
+from tandem.protocol.codec import MAX_ID_LEN, only_ints
 
 
 @dataclass(slots=True)
@@ -50,8 +50,8 @@ def check_request_id(request_id: Any) -> None:
 
 
 def check_block_ids(ids: Any, num_blocks: int | None, what: str) -> list[int]:
-    # type(i) is int (not isinstance) also rejects bools; min/max keep this cheap on long lists
-    if not isinstance(ids, (list, tuple)) or not all(type(i) is int for i in ids):
+    # exact int types (bools rejected); min/max keep this cheap on long lists
+    if not isinstance(ids, (list, tuple)) or not only_ints(ids):
         raise ValueError(f"{what} must be a list of ints, got {ids!r:.80}")
     hi = num_blocks if num_blocks is not None else 1 << 62
     if ids and (min(ids) < 0 or max(ids) >= hi):

@@ -126,13 +126,15 @@ def kv_header(
     layout: CacheLayout, request_id: str, layer: int, dest_block_ids: list[int],
     checksum: int | None = None, tag: int | None = None,
 ) -> bytes:
+    """The per-layer `kv` message. Its fields come checked (BaseSender.send_layer: request id, layer,
+    block ids; the rest from the layout), so it skips encode()'s walk over a few hundred ids."""
     n = len(dest_block_ids)
-    return encode(
-        "kv", request_id=request_id, layer=layer, dest_block_ids=dest_block_ids,
+    return codec.pack_checked("kv", dict(
+        request_id=request_id, layer=layer, dest_block_ids=dest_block_ids,
         dtype=layout.kv_cache_dtype, shape=[n, *layout.block_shape],
         scale_shape=[n, *layout.scale_block_shape] if layout.is_quantized else None,
         checksum=checksum, tag=tag,
-    )
+    ))
 
 
 def parse_kv(msg: dict[str, Any], layout: CacheLayout) -> KVHeader:

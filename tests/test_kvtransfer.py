@@ -264,6 +264,23 @@ def test_layout_and_header_validation() -> None:
         wire.parse_kv(wire.decode(header), FP32)
     with pytest.raises(wire.ProtocolError, match="shape"):
         wire.parse_kv(wire.decode(header), replace(INT8, head_dim=16))
+    assert FP32.block_nbytes == 2 * 4 * 2 * 8 * 4 and INT8.block_nbytes == 2 * 4 * 2 * 8
+
+
+def test_block_runs_and_id_checks() -> None:
+    """One run for consecutive ids on both sides (the fast path), exact runs otherwise."""
+    from kvtransfer.blocks import block_runs
+    from kvtransfer.common import check_block_ids
+
+    assert block_runs([5, 6, 7], [0, 1, 2]) == [(5, 0, 3)]
+    assert block_runs([5, 6, 7], [0, 1, 3]) == [(5, 0, 2), (7, 3, 1)]
+    assert block_runs([5, 7, 6], [0, 1, 2]) == [(5, 0, 1), (7, 1, 1), (6, 2, 1)]  # same span, not in order
+    assert block_runs([1, 2, 3, 9], [4, 5, 6, 7]) == [(1, 4, 3), (9, 7, 1)]
+    assert check_block_ids((3, 4), 5, "ids") == [3, 4]
+    for bad, why in [([1, True], "list of ints"), ([1, 2.0], "list of ints"), ([0, 5], "out of range"),
+                     ([2, 2], "duplicates"), ("12", "list of ints")]:
+        with pytest.raises(ValueError, match=why):
+            check_block_ids(bad, 5, "ids")
 
 
 def test_orphaned_shm_segments_are_reaped(tmp_path: Path) -> None:
