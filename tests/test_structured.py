@@ -135,3 +135,56 @@ def test_batched_masks_equal_single_masks_and_torch_stays_on_the_caller(grammars
     assert masks.shape == (len(states), grammars.vocab_size)
     for state, mask in zip(states, masks):
         assert bool((mask == state.allowed()).all())
+
+
+class _Allow:
+    """A grammar state stand-in that allows a fixed set of tokens (best_allowed asks nothing else)."""
+
+    def __init__(self, allowed: set[int]) -> None:
+        self.allowed = allowed
+
+    def allows(self, token: int) -> bool:
+        return token in self.allowed
+
+
+def test_best_allowed_is_the_masked_argmax_or_declines():
+    """The candidates after a refused argmax give exactly the masked argmax, ties by lowest index, and
+    decline (None: the row gets a mask) when the answer could lie outside the candidates."""
+    import torch
+
+    from tandem.engine.structured import CANDIDATES, best_allowed
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):  # random rows with many ties: compare with argmax over the masked row
+        row = torch.randint(0, 6, (1, 40), generator=gen).float()
+        allowed = set(torch.randperm(40, generator=gen)[:int(torch.randint(1, 40, (1,), generator=gen))].tolist())
+        refused = int(row.argmax())
+        if refused in allowed:
+            continue
+        masked = torch.full_like(row, float("-inf"))
+        masked[0, sorted(allowed)] = row[0, sorted(allowed)]
+        found = best_allowed(row, [0], [_Allow(allowed)], [refused])[0]
+        assert found is None or found == int(masked.argmax())
+    flat = torch.ones(1, 3 * CANDIDATES)
+    flat[0, -1] = 2.0  # the argmax, refused; every other token ties, so the K-th best does too
+    assert best_allowed(flat, [0], [_Allow({0})], [3 * CANDIDATES - 1]) == [None]
+    flat[0, 5] = 1.5  # strictly above the boundary: trusted
+    assert best_allowed(flat, [0], [_Allow({5, 0})], [3 * CANDIDATES - 1]) == [5]
+    assert best_allowed(torch.tensor([[3.0, 1.0, 3.0]]), [0], [_Allow({2, 1})], [0]) == [2]  # k covers the row
+
+
+def test_a_model_that_fights_its_grammar_gets_masks_first(grammars):
+    """Checking after sampling pays off only when the model mostly follows its grammar: after a run
+    of misses a state masks first (probing every PROBE_EVERY steps), and recovers after hits."""
+    from tandem.engine.structured import PROBE_EVERY
+    from tandem.sampling_params import SamplingParams
+
+    state, greedy = grammars.state({"regex": "[a-z]+"}), SamplingParams(temperature=0)
+    assert not state.masks_first(greedy) and state.masks_first(SamplingParams(temperature=1.0, top_p=0.9))
+    for _ in range(10):
+        state.record(True)
+    plan = [state.masks_first(greedy) for _ in range(2 * PROBE_EVERY)]
+    assert plan.count(False) == 2  # masks first, but for one probe in every PROBE_EVERY steps
+    for _ in range(10):
+        state.record(False)
+    assert not state.masks_first(greedy)

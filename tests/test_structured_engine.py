@@ -75,9 +75,11 @@ def test_every_seeded_sample_validates(ckpt, tmp_path_factory, speculator):
             assert valid(o.text), (spec, o.text)
 
 
-def test_masked_sampling_draws_the_renormalised_distribution(ckpt, llm):
-    """First tokens under {"choice": [...]} : chi-squared against softmax(logits) restricted to the
-    allowed tokens and renormalised."""
+@pytest.mark.parametrize("cut", [{}, {"min_p": 1e-12}], ids=["checked-after", "masked-before"])
+def test_masked_sampling_draws_the_renormalised_distribution(ckpt, llm, cut):
+    """First tokens under {"regex": "[a-z]+"}: chi-squared against softmax(logits) restricted to the
+    allowed tokens and renormalised. Temperature alone samples unmasked and redraws a refused token
+    from the masked row; an (inert) min-p sends the rows through the mask-before-sampling path."""
     import transformers
 
     spec = {"regex": r"[a-z]+"}
@@ -89,7 +91,7 @@ def test_masked_sampling_draws_the_renormalised_distribution(ckpt, llm):
     probs = torch.softmax(torch.where(allowed, logits[:allowed.shape[0]], float("-inf")), -1)
     n = 3000
     outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, seed=s, max_tokens=1, ignore_eos=True,
-                                                      structured_outputs=spec) for s in range(n)])
+                                                      structured_outputs=spec, **cut) for s in range(n)])
     counts = torch.bincount(torch.tensor([o.token_ids[0] for o in outs]), minlength=probs.shape[0]).double()
     assert bool((counts[~allowed] == 0).all())  # never a token the grammar forbids
     expected = probs.double() * n

@@ -32,6 +32,7 @@ from tandem.sampling_params import STRUCTURED_KINDS as KINDS
 from tandem.sampling_params import check_structured as check_spec
 
 CACHE_SIZE = 256
+MISS_RATE_LIMIT, MISS_DECAY, PROBE_EVERY = 0.5, 0.9, 16  # see GrammarState.masks_first
 INLINE_ROWS = 4  # up to this many constrained rows, masks are computed inline (no thread hand-off)
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
@@ -98,7 +99,7 @@ class Grammars:
         """int32 words of one llguidance token mask: a bit per token."""
         return (self.vocab_size + 31) // 32
 
-    def allowed_batch_async(self, states: list[GrammarState]) -> PendingMasks:
+    def allowed_batch_async(self, states: list[GrammarState], inline: bool = False) -> PendingMasks:
         """Bool masks [len(states), vocab_size] for many requests at once (`.result()`): llguidance fills one
         int32 buffer in parallel (its threads run without the GIL) on a helper thread, overlapping the
         forward pass, then one vectorized unpack; a few rows are cheaper done at once than handed over
@@ -109,7 +110,7 @@ class Grammars:
         items = [(s.matcher, i) for i, s in enumerate(states)]
         fill = partial(self._executor.unsafe_compute_mask_ptr, items, words.data_ptr(), self.mask_words * 4,
                        len(states))
-        if len(states) <= INLINE_ROWS:
+        if inline or len(states) <= INLINE_ROWS:
             fill()
             return PendingMasks(None, words, self.vocab_size)
         if self._mask_pool is None:
@@ -130,6 +131,19 @@ class GrammarState:
         self.grammars = grammars  # for batched masks
         self.vocab_size = grammars.vocab_size
         self.consumed = 0  # output tokens fed to the matcher so far
+        # How often sampling unmasked needed the mask anyway (a moving average): a model that fights
+        # its grammar gets its masks computed during the forward pass instead, as before checking
+        # first existed, and tries checking again every PROBE_EVERY steps.
+        self.miss_rate = 0.0
+        self.steps = 0
+
+    def masks_first(self, params: Any) -> bool:
+        """This step's row is masked before sampling (else sampled unmasked and checked: `allows`)."""
+        self.steps += 1
+        return not checks_first(params) or (self.miss_rate > MISS_RATE_LIMIT and self.steps % PROBE_EVERY != 0)
+
+    def record(self, missed: bool) -> None:
+        self.miss_rate = MISS_DECAY * self.miss_rate + (1 - MISS_DECAY) * missed
 
     def sync(self, output_token_ids: list[int]) -> None:
         """Feed the output tokens the matcher has not seen (in order). A token the grammar refuses
@@ -144,6 +158,11 @@ class GrammarState:
     def finished(self) -> bool:
         """The grammar is complete: nothing may follow (the request should stop)."""
         return self.matcher.is_stopped() or self.matcher.is_error()
+
+    def allows(self, token: int) -> bool:
+        """The grammar accepts `token` next (checked, not consumed): a few microseconds, against a
+        whole mask's tens. A finished or failed grammar answers False (its mask decides)."""
+        return 0 <= token < self.vocab_size and self.matcher.validate_tokens([token]) == 1
 
     def allowed(self) -> torch.Tensor:
         """Bool mask [vocab_size] of the tokens the grammar allows next."""
@@ -169,6 +188,40 @@ class GrammarState:
         if taken:
             self.matcher.rollback(taken)
         return masks
+
+
+def checks_first(params: Any) -> bool:
+    """Rows whose sample can be drawn unmasked and checked afterwards (see ModelRunner._check_grammar):
+    greedy, or temperature alone. Top-k / top-p / min-p cut the distribution by its own mass, which a
+    mask changes, so those rows are masked before sampling."""
+    return params.greedy or (params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0)
+
+
+CANDIDATES = 8  # greedy rows refused their argmax try this many next-best tokens before a mask
+
+
+def best_allowed(rows: torch.Tensor, picked: list[int], states: list[GrammarState], refused: list[int]
+                 ) -> list[int | None]:
+    """For each of the rows `picked`, the masked argmax found among its CANDIDATES best tokens, or None
+    (the caller masks the row); `refused` holds each one's token the grammar refused already.
+    Exact, ties included: argmax picks the lowest index among equal values, so candidates are tried
+    by (value desc, index asc), and one whose value equals the K-th best is not trusted (a
+    lower-indexed token of that value may lie outside the K)."""
+    k = min(CANDIDATES, rows.shape[1])
+    values, indices = rows.topk(k, dim=1)  # every row: cheaper than gathering the picked ones first
+    values, indices = values.tolist(), indices.tolist()
+    out: list[int | None] = []
+    for row, state, known in zip(picked, states, refused):
+        vals, idx = values[row], indices[row]
+        boundary, found = vals[-1], None
+        for v, t in sorted(zip(vals, idx), key=lambda c: (-c[0], c[1])):
+            if v <= boundary and k < rows.shape[1]:
+                break
+            if t != known and state.allows(t):
+                found = t
+                break
+        out.append(found)
+    return out
 
 
 class PendingMasks:
