@@ -100,7 +100,10 @@ def test_cache_resume_and_bad_specs(grammars, tokenizer):
     assert grammars.compile(spec) is grammars.compile({"choice": ["yes", "no"]})  # compiled once
     assert grammars.compile_async(spec).result(timeout=10) is grammars.compile(spec)
     ids = tokenizer.encode("ye", add_special_tokens=False)
+    initial = grammars.state({"regex": "yes|yellow"}).allowed()
     resumed = grammars.state({"regex": "yes|yellow"}, resume_tokens=ids)  # e.g. after a migration
+    assert bool((grammars.state({"regex": "yes|yellow"}).allowed() == initial).all())  # the cached one never moves
+    assert not bool((resumed.allowed() == initial).all())
     fresh = grammars.state({"regex": "yes|yellow"})
     fresh.sync(ids)
     assert bool((resumed.allowed() == fresh.allowed()).all()) and resumed.consumed == len(ids)
