@@ -1,5 +1,5 @@
 """Fused elementwise ops of a decoder layer: RMSNorm (with the residual add before it), SiLU*mul, RoPE;
-and the greedy sampler's row-wise argmax.
+the greedy sampler's row-wise argmax, and a grammar's token bitmask applied to logits.
 
 On the CPU with fp32 tensors each is one C call (kernels/csrc/fused_cpu.c, built with the decode
 attention kernel by kernels/native_cpu.py) where torch runs 2-10 ops and as many passes over memory;
@@ -103,3 +103,32 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.tandem_argmax_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out.tolist()
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 bit masks [N, W] -> bool [N, vocab] (bit b of word w is token 32 w + b)."""
+    return ((words.unsqueeze(-1) >> _BITS) & 1).flatten(1)[:, :vocab].bool()
+
+
+def apply_bitmask(x: torch.Tensor, words: torch.Tensor, vocab: int, rows: list[int] | None = None) -> None:
+    """In place: x [N, V'] (V' >= vocab) gets -inf where a bitmask row of `words` [M, W] has a token's
+    bit clear, and in every column >= vocab, in x's rows `rows` (M of them; default all, M = N)."""
+    lib = _native(x)
+    if lib is None or x.dim() != 2 or not words.is_contiguous() or words.dtype != torch.int32:
+        target = slice(None) if rows is None else torch.tensor(rows, device=x.device)
+        allowed = unpack_bitmask(words, vocab).to(x.device)
+        n = allowed.shape[1]
+        part = x[target]
+        part[:, :n] = part[:, :n].masked_fill(~allowed, float("-inf"))
+        part[:, n:] = float("-inf")
+        x[target] = part
+        return
+    ids = None if rows is None else torch.tensor(rows, dtype=torch.int64)
+    if ids is not None and (ids.numel() != words.shape[0] or (ids.numel() and not 0 <= int(ids.min()) <= int(
+            ids.max()) < x.shape[0])):
+        raise ValueError(f"apply_bitmask: {words.shape[0]} mask rows for x rows {rows}")
+    lib.tandem_apply_bitmask_f32(x.data_ptr(), words.shape[0], x.shape[1], x.stride(0), words.data_ptr(),
+                                 words.shape[1], vocab, None if ids is None else ids.data_ptr())

@@ -117,11 +117,15 @@ def test_cache_resume_and_bad_specs(grammars, tokenizer):
 
 
 def test_batched_masks_equal_single_masks_and_torch_stays_on_the_caller(grammars, tokenizer, monkeypatch):
-    """Many rows go to the helper thread; their masks equal each state's own, and every torch op (the
-    unpack) runs on the calling thread: a helper thread that ran torch ops got an OpenMP team of its own,
-    which left every later decode step ~40% slower."""
+    """Many rows go to the helper thread; their masks equal each state's own, and no torch op runs on
+    the helper (it only fills int32 words): a helper thread that ran torch ops got an OpenMP team of its
+    own, which left every later decode step ~40% slower. Applying the words to logits gives the same
+    rows in the C kernel and in the torch reference, padded columns included."""
     import threading
 
+    import torch
+
+    from kernels import fused
     from tandem.engine import structured
 
     states, texts = [], ["", "ab", "abc", "a b", "zz", "q", "hello wor", "x y z"]
@@ -131,13 +135,29 @@ def test_batched_masks_equal_single_masks_and_torch_stays_on_the_caller(grammars
         states.append(state)
     assert len(states) > structured.INLINE_ROWS  # the helper thread's path
     threads = []
-    real_unpack = structured.unpack
-    monkeypatch.setattr(structured, "unpack", lambda *a: threads.append(threading.current_thread()) or real_unpack(*a))
-    masks = grammars.allowed_batch_async(states).result()
-    assert threads == [threading.current_thread()]
+    for name in ("unpack_bitmask", "apply_bitmask"):
+        real = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, real=real: threads.append(threading.current_thread()) or real(*a))
+    words = grammars.allowed_batch_async(states).result()
+    assert threads == []
+    masks = structured.unpack(words, grammars.vocab_size)
     assert masks.shape == (len(states), grammars.vocab_size)
     for state, mask in zip(states, masks):
         assert bool((mask == state.allowed()).all())
+    logits = torch.randn(len(states), grammars.vocab_size + 7)  # a padded vocabulary
+    expected = torch.cat([logits[:, :grammars.vocab_size].masked_fill(~masks, float("-inf")),
+                          torch.full((len(states), 7), float("-inf"))], dim=1)
+    picked = [len(states) - 1, 0, 3]  # a subset of rows, in any order, masked in place
+    for native in (True, False):  # the C kernel, then the torch reference
+        monkeypatch.setattr(fused, "ALLOWED", native)
+        out = logits.clone()
+        structured.mask_rows(out, words, grammars.vocab_size)
+        assert torch.equal(out, expected)
+        out = logits.clone()
+        structured.mask_rows(out, words[picked], grammars.vocab_size, picked)
+        rest = [i for i in range(len(states)) if i not in picked]
+        assert torch.equal(out[picked], expected[picked]) and torch.equal(out[rest], logits[rest])
+    assert threads and set(threads) == {threading.current_thread()}
 
 
 class _Allow:

@@ -95,3 +95,28 @@ void tandem_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t *out,
         out[r] = at;
     }
 }
+
+/* Structured outputs: x[r, t] = -inf for every token t whose bit is clear in row r's llguidance mask
+ * (bit b of int32 word w is token 32 w + b) and for the columns past the mask's vocabulary (`vocab`:
+ * padded logits rows). In place; `row_ids` (or NULL: 0, 1, ...) names the row of x each mask row is for. torch needs ~6 passes over [rows, vocab] for this (unpack the bits,
+ * a bool tensor, masked_fill), and its bool masked_fill alone took 1.2 ms for 16 x 32000 here. */
+void tandem_apply_bitmask_f32(float *x, int64_t rows, int64_t cols, int64_t row_stride, const int32_t *words,
+                              int64_t n_words, int64_t vocab, const int64_t *row_ids) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = x + (row_ids ? row_ids[r] : r) * row_stride;  /* words row r masks x row row_ids[r] */
+        const int32_t *w = words + r * n_words;
+        int64_t limit = vocab < cols ? vocab : cols;
+        for (int64_t i = 0; i * 32 < limit; i++) {
+            uint32_t bits = (uint32_t)w[i];
+            if (bits == 0xFFFFFFFFu) continue;
+            int64_t base = i * 32, end = base + 32 < limit ? base + 32 : limit;
+            if (bits == 0) {  /* the usual word under a grammar: nothing allowed */
+                for (int64_t t = base; t < end; t++) row[t] = -INFINITY;
+                continue;
+            }
+            for (int64_t t = base; t < end; t++)
+                if (!((bits >> (t - base)) & 1u)) row[t] = -INFINITY;
+        }
+        for (int64_t t = limit; t < cols; t++) row[t] = -INFINITY;
+    }
+}

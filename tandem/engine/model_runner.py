@@ -143,8 +143,10 @@ class ModelRunner:
         if not refused:
             return tokens
         states = [reqs[i].grammar for i in refused]
-        allowed = states[0].grammars.allowed_batch_async(states, inline=True).result()
-        again = sampler.sample(structured.mask_rows(rows[refused], allowed), [reqs[i].params for i in refused],
+        words = states[0].grammars.allowed_batch_async(states, inline=True).result()
+        masked_rows = rows[refused]  # a copy: `rows` may be the step's logits, kept raw for logprobs
+        structured.mask_rows(masked_rows, words, states[0].vocab_size)
+        again = sampler.sample(masked_rows, [reqs[i].params for i in refused],
                                [reqs[i].generator for i in refused], self.generator)
         for i, token in zip(refused, again):
             tokens[i] = token
@@ -186,8 +188,8 @@ class ModelRunner:
             rows = logits_processors.process(logits if whole else logits[picked], reqs)
             masked: list[int] = []
             if plain_masks is not None:  # structured outputs: only what each grammar allows next
-                masked, allowed = plain_masks
-                rows[masked] = structured.mask_rows(rows[masked], allowed.result())
+                masked, pending = plain_masks
+                structured.mask_rows(rows, pending.result(), pending.vocab_size, masked)  # rows: a copy
             tokens = sampler.sample(rows, [r.params for r in reqs], [r.generator for r in reqs], self.generator)
             if any(r.grammar is not None for r in reqs):
                 tokens = self._check_grammar(reqs, rows, tokens, masked)

@@ -28,6 +28,7 @@ from typing import Any
 import llguidance
 import torch
 
+from kernels import fused
 from tandem.sampling_params import STRUCTURED_KINDS as KINDS
 from tandem.sampling_params import check_structured as check_spec
 
@@ -102,10 +103,10 @@ class Grammars:
         return (self.vocab_size + 31) // 32
 
     def allowed_batch_async(self, states: list[GrammarState], inline: bool = False) -> PendingMasks:
-        """Bool masks [len(states), vocab_size] for many requests at once (`.result()`): llguidance fills one
-        int32 buffer in parallel (its threads run without the GIL) on a helper thread, overlapping the
-        forward pass, then one vectorized unpack; a few rows are cheaper done at once than handed over
-        (the hand-off costs more than their masks)."""
+        """Bit masks (int32 words [len(states), mask_words], `.result()`) for many requests at once:
+        llguidance fills one buffer in parallel (its threads run without the GIL) on a helper thread,
+        overlapping the forward pass; a few rows (or `inline`) are cheaper done at once than handed
+        over (the hand-off costs more than their masks)."""
         words = torch.empty((len(states), self.mask_words), dtype=torch.int32)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
@@ -231,35 +232,27 @@ def best_allowed(rows: torch.Tensor, picked: list[int], states: list[GrammarStat
 
 
 class PendingMasks:
-    """Token masks being filled by llguidance on the helper thread; result() waits and unpacks them on
-    the caller's thread. The helper never runs a torch op: a thread that does gets an OpenMP team of
-    its own, and with it every later decode step of the process ran ~40% slower, structured or not
-    (measured: batch 16, 3600 -> 2000 tok/s after a single structured batch)."""
+    """Token masks being filled by llguidance on the helper thread; result() waits and returns the
+    int32 bit words [N, W] for `mask_rows` on the caller's thread. The helper never runs a torch op: a
+    thread that does gets an OpenMP team of its own, and with it every later decode step of the process
+    ran ~40% slower, structured or not (measured: batch 16, 3600 -> 2000 tok/s after one structured batch)."""
 
     def __init__(self, fill: Future | None, words: torch.Tensor, vocab_size: int) -> None:
-        self._fill, self._words, self._vocab_size = fill, words, vocab_size
+        self._fill, self._words, self.vocab_size = fill, words, vocab_size
 
     def result(self) -> torch.Tensor:
         if self._fill is not None:
             self._fill.result()
-        return unpack(self._words, self._vocab_size)
+        return self._words
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+unpack = fused.unpack_bitmask
 
 
-def unpack(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 bit masks [N, W] -> bool [N, vocab_size] (bit b of word w is token 32 w + b)."""
-    return ((words.unsqueeze(-1) >> _BITS) & 1).flatten(1)[:, :vocab_size].bool()
-
-
-def mask_rows(rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """logits rows [N, V'] with the tokens `allowed` [N, V] forbids (and any padded column >= V) at -inf."""
-    n = allowed.shape[1]
-    out = rows.masked_fill(~allowed.to(rows.device), float("-inf")) if rows.shape[1] == n else torch.cat(
-        [rows[:, :n].masked_fill(~allowed.to(rows.device), float("-inf")),
-         torch.full_like(rows[:, n:], float("-inf"))], dim=1)
-    return out
+def mask_rows(logits: torch.Tensor, words: torch.Tensor, vocab_size: int, rows: list[int] | None = None) -> None:
+    """In place: logits rows `rows` (default all) [.., V'] get -inf at the tokens the bit words [len(rows), W]
+    forbid and at any padded column >= V: one C pass on the CPU (kernels/fused.py), torch elsewhere."""
+    fused.apply_bitmask(logits, words, vocab_size, rows)
 
 
 def apply_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
