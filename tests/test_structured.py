@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from tandem.default_model import ASSETS_DIR, TARGET_NAME
+from tandem.engine import structured
 from tandem.engine.structured import Grammars, check_spec
 from tandem.tokenizer import Tokenizer
 
@@ -84,7 +85,7 @@ def test_speculative_masks_equal_stepwise_masks(grammars, tokenizer):
     state = grammars.state(spec)
     before = state.allowed()
     draft = good + [tokenizer.encode("zz", add_special_tokens=False)[0]] + good[:1]
-    masks = state.allowed_along(draft)
+    masks = structured.unpack(state.allowed_along(draft), grammars.vocab_size)
     assert len(masks) == len(draft) + 1
     assert bool((state.allowed() == before).all())  # the state is back where it was (rollback)
     step = grammars.state(spec)
@@ -93,6 +94,7 @@ def test_speculative_masks_equal_stepwise_masks(grammars, tokenizer):
         step.sync(good[:j + 1])
     assert bool((masks[len(good)] == step.allowed()).all())
     assert not masks[len(good)][draft[len(good)]]  # the invalid draft token is masked: it will be rejected
+    assert bool((masks[len(good) + 1] == masks[len(good)]).all())  # rows past it repeat its mask
 
 
 def test_cache_resume_and_bad_specs(grammars, tokenizer):

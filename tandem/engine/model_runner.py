@@ -170,8 +170,8 @@ class ModelRunner:
                                                  [s.spec_token_ids[:j] for j in range(k)])
                 if r.grammar is not None:  # row j under the grammar state the first j draft tokens lead to
                     r.grammar.sync(r.output_token_ids)
-                    masks = r.grammar.allowed_along(s.spec_token_ids)
-                    rows = torch.stack([structured.apply_mask(rows[j], masks[j]) for j in range(k)])
+                    rows = rows.clone()  # it may be a view of the step's logits, kept raw for logprobs
+                    structured.mask_rows(rows, r.grammar.allowed_along(s.spec_token_ids), r.grammar.vocab_size)
                 toks = spec_decode.verify(rows, s.spec_token_ids, self.draft_probs.get(rid),
                                           r.params, r.generator or self.generator)
                 emitted = spec_decode.truncate_at_stop(r, toks)

@@ -172,25 +172,27 @@ class GrammarState:
         words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
         return unpack(words.unsqueeze(0), self.vocab_size)[0]
 
-    def allowed_along(self, draft: list[int]) -> list[torch.Tensor]:
-        """Masks for the k+1 rows a speculative step verifies: row j under the state after draft[:j].
-        Rows past the first draft token the grammar refuses get that row's mask repeated (they are
-        never used: verification stops at the refused token)."""
-        masks: list[torch.Tensor] = []
+    def allowed_along(self, draft: list[int]) -> torch.Tensor:
+        """Bit masks (int32 words [k+1, W], for `mask_rows`) of the k+1 rows a speculative step verifies:
+        row j under the state after draft[:j]. Rows past the first draft token the grammar refuses
+        repeat that row's mask (they are never used: verification stops at the refused token)."""
+        width = self.grammars.mask_words
+        words = torch.empty((len(draft) + 1, width), dtype=torch.int32)
         taken = 0
         for j in range(len(draft) + 1):
-            masks.append(self.allowed())
+            self.matcher.unsafe_compute_mask_ptr(words.data_ptr() + j * width * 4, width * 4)
             if j == len(draft):
                 break
             token = draft[j]
             # checked against the mask first: a refused token would put the matcher in its error state
-            if not (0 <= token < self.vocab_size and masks[-1][token]) or not self.matcher.consume_token(token):
-                masks += [masks[-1]] * (len(draft) - j)
+            if not (0 <= token < self.vocab_size and int(words[j, token >> 5]) >> (token & 31) & 1) or \
+                    not self.matcher.consume_token(token):
+                words[j + 1:] = words[j]
                 break
             taken += 1
         if taken:
             self.matcher.rollback(taken)
-        return masks
+        return words
 
 
 def checks_first(params: Any) -> bool:
@@ -253,12 +255,3 @@ def mask_rows(logits: torch.Tensor, words: torch.Tensor, vocab_size: int, rows: 
     """In place: logits rows `rows` (default all) [.., V'] get -inf at the tokens the bit words [len(rows), W]
     forbid and at any padded column >= V: one C pass on the CPU (kernels/fused.py), torch elsewhere."""
     fused.apply_bitmask(logits, words, vocab_size, rows)
-
-
-def apply_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """logits [V'] (V' >= the grammar's vocabulary: padded rows are never allowed) with the
-    disallowed tokens at -inf."""
-    out = torch.full_like(logits, float("-inf"))
-    n = allowed.shape[0]
-    out[:n] = torch.where(allowed.to(logits.device), logits[:n], out[:n])
-    return out
