@@ -4,6 +4,7 @@ step-by-step transformers reference on the same weights; bad values are errors n
 
 from __future__ import annotations
 
+import array
 import random
 
 import pytest
@@ -18,6 +19,9 @@ class FakeRequest:  # what the processor reads from a Request
         self.prompt_token_ids, self.output_token_ids, self.params = prompt, output, params
         self.num_output_tokens, self.eos_token_ids = len(output), set(eos)
         self.token_ids, self.num_prompt_tokens = prompt + output, len(prompt)
+
+    def token_array(self):
+        return array.array("q", self.token_ids)
 
 
 def reference_row(row, prompt, output, p, eos):
@@ -100,3 +104,18 @@ def test_greedy_with_penalties_equals_transformers_reference(tmp_path_factory, k
     assert got == out
     if "min_tokens" in kw:  # EOS was the favourite (bias 50) but is forbidden until the 12th token
         assert len(got) == 13 and got[-1] == 1
+
+
+def test_token_array_follows_the_token_list():
+    """The int64 mirror the penalty pass reads grows with the list and is rebuilt for a new list (a beam
+    child's copy), so a step never reads stale tokens."""
+    from tandem.engine.request import Request
+
+    req = Request("r", [5, 6, 7], SamplingParams(), {1}, max_tokens=8)
+    first = req.token_array()
+    assert list(first) == [5, 6, 7]
+    req.append_token(9)
+    req.append_token(4)
+    assert req.token_array() is first and list(first) == [5, 6, 7, 9, 4]  # extended in place, not rebuilt
+    req.token_ids = [5, 6, 8]  # another list (as a forked beam gets)
+    assert list(req.token_array()) == [5, 6, 8]

@@ -13,7 +13,6 @@ Rows of requests without any of these pass through untouched (no copy).
 from __future__ import annotations
 
 import array
-import itertools
 from typing import Any
 
 import torch
@@ -55,9 +54,11 @@ def _penalize(rows: torch.Tensor, reqs: list[Any], pen: list[int], extra: list[l
     and a per-request loop of vocabulary-wide tensors cost ~20% of a decode worker's time at 64
     requests (one tensor of indices for the whole batch instead)."""
     dev, vocab = rows.device, rows.shape[1]
-    seqs = [reqs[i].token_ids + extra[i] if extra else reqs[i].token_ids for i in pen]  # prompt + output
+    seqs = [reqs[i].token_array() for i in pen]  # prompt + output, int64
+    if extra:
+        seqs = [q + array.array("q", extra[i]) if extra[i] else q for q, i in zip(seqs, pen)]
     lens = torch.tensor([len(q) for q in seqs], dtype=torch.long)
-    flat = torch.frombuffer(array.array("q", itertools.chain.from_iterable(seqs)), dtype=torch.long)
+    flat = torch.frombuffer(bytearray(b"".join(seqs)), dtype=torch.long)
     owner = torch.repeat_interleave(torch.arange(len(pen)), lens)
     starts = torch.cumsum(lens, 0) - lens
     prompt_lens = torch.tensor([reqs[i].num_prompt_tokens for i in pen], dtype=torch.long)

@@ -8,6 +8,7 @@ remote KV (computed jumps to the prompt length when the KV arrives) are all that
 
 from __future__ import annotations
 
+import array
 import enum
 import time
 
@@ -28,7 +29,7 @@ class Request:
                  "arrival_time", "status", "num_computed_tokens", "block_ids", "block_hashes",
                  "num_cached_tokens", "generator", "spec_token_ids", "finish_reason", "stop_reason",
                  "logprobs", "num_preemptions", "priority", "num_registered_blocks", "kv_peer", "grammar",
-                 "prompt_logprobs", "beam")
+                 "prompt_logprobs", "beam", "_token_array")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: set[int], max_tokens: int, priority: int = 0) -> None:
@@ -56,6 +57,18 @@ class Request:
         self.grammar = None  # structured.GrammarState when params.structured_outputs (set by the engine)
         self.prompt_logprobs: list[dict[int, float] | None] | None = None  # set by the engine when asked
         self.beam = None  # beam_search.BeamSearch when this is a beam group's root (set by the engine)
+        self._token_array: tuple[array.array, list[int]] | None = None  # see token_array()
+
+    def token_array(self) -> array.array:
+        """token_ids as an int64 array, kept in step with the list by appending what it lacks (the list
+        only grows in place; a new list object means a rebuild). The penalty pass reads every running
+        request's tokens each step: converting the lists cost ~1.2 ms at 64 requests x 600 tokens."""
+        cached = self._token_array
+        if cached is None or cached[1] is not self.token_ids or len(cached[0]) > len(self.token_ids):
+            self._token_array = cached = (array.array("q", self.token_ids), self.token_ids)
+        elif len(cached[0]) < len(self.token_ids):
+            cached[0].extend(self.token_ids[len(cached[0]):])
+        return cached[0]
 
     @property
     def num_tokens(self) -> int:
