@@ -17,6 +17,7 @@ from kvtransfer import wire
 from kvtransfer.base import CacheLayout, KVConnector
 from kvtransfer.blocks import gather
 from kvtransfer.common import Arrival
+from kvtransfer.malloc_tuning import keep_freed_memory
 from kvtransfer.receiver import BaseReceiver, Peer
 from kvtransfer.sender import BaseSender, Outgoing
 
@@ -78,7 +79,9 @@ class ZmqConnector(KVConnector):
 
     def make_receiver(self, layout: CacheLayout, kv_caches: list[torch.Tensor],
                       kv_scales: list[torch.Tensor] | None, bind: str | None = None) -> ZmqReceiver:
+        keep_freed_memory()  # every arriving layer is a fresh multi-MiB ZMQ message
         return ZmqReceiver(layout, kv_caches, kv_scales, bind, timeout_s=self.timeout_s)
 
     def make_sender(self, layout: CacheLayout, device: torch.device | str = "cpu") -> ZmqSender:
+        keep_freed_memory()  # every layer is packed into a fresh multi-MiB buffer
         return ZmqSender(layout, device, checksum=self.checksum)

@@ -298,3 +298,36 @@ def test_orphaned_shm_segments_are_reaped(tmp_path: Path) -> None:
     finally:
         handle.close()
     assert not os.path.exists(handle.path)
+
+
+_FAULTS_SCRIPT = """
+import resource, sys, torch
+from kvtransfer import CONNECTORS, CacheLayout
+if sys.argv[1] == "zmq":
+    CONNECTORS["zmq"]().make_sender(CacheLayout("t", "float32", "float32", 4, 1, 1, 8), "cpu").close()
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def transfer():  # a transfer's worth of layers alive at once, then freed: 8 x 2 MiB = 4096 pages
+    return [torch.empty(1 << 19).fill_(1.0) for _ in range(8)]
+transfer()
+before = faults()
+for _ in range(10):
+    transfer()
+print(faults() - before)
+"""
+
+
+def test_zmq_connector_keeps_freed_layer_buffers_mapped() -> None:
+    """Every zmq transfer allocates multi-MiB buffers (P's packed layer, D's message); glibc would map
+    each afresh and fault it in page by page. A process with a zmq sender reuses them instead,
+    unless the user tuned malloc through the environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
+
+    def faults(connector: str, **extra: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, connector], env={**env, **extra}, cwd=ROOT,
+                             capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    assert faults("none") > 4000  # the default (8123 here): a fifth of the pages faulted in again every transfer
+    assert faults("zmq") < 1000
+    assert faults("zmq", MALLOC_TRIM_THRESHOLD_="131072") > 4000  # the user's setting wins
