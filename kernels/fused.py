@@ -9,6 +9,7 @@ forms below run, and they are the reference: Hugging Face Llama's arithmetic, op
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
@@ -103,6 +104,28 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.tandem_argmax_f32(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out.tolist()
+
+
+MAX_TOPK = 64  # the C pass keeps its k best in a fixed array
+
+
+def topk_rows(x: torch.Tensor, rows: list[int], k: int) -> list[list[int] | None]:
+    """The k best column indices of each of x's rows `rows` [.., V], best first by (value desc, index
+    asc): the order the first-maximum argmax would pick them in, ties included. None for a row
+    holding a NaN (its argmax is the first NaN). k <= V."""
+    lib = _native(x) if x.dim() == 2 and k <= MAX_TOPK else None
+    if lib is None:
+        part = x[torch.tensor(rows, device=x.device)]
+        order = torch.sort(part, dim=1, descending=True, stable=True).indices[:, :k].tolist()
+        nan = part.isnan().any(dim=1).tolist()
+        return [None if bad else o for o, bad in zip(order, nan)]
+    n = len(rows)
+    if n and not 0 <= min(rows) <= max(rows) < x.shape[0]:
+        raise ValueError(f"topk_rows: rows {rows} outside x's {x.shape[0]} rows")
+    out = (ctypes.c_int64 * (n * k))()  # ctypes arrays: torch tensors cost ~10 us to make and read back
+    lib.tandem_topk_rows_f32(x.data_ptr(), x.stride(0), x.shape[1], (ctypes.c_int64 * n)(*rows), n, k, out)
+    flat = out[:]
+    return [None if flat[i] < 0 else flat[i:i + k] for i in range(0, n * k, k)]
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

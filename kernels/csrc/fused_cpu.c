@@ -96,6 +96,50 @@ void tandem_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t *out,
     }
 }
 
+/* Structured outputs: the k best tokens of rows row_ids[0..n) of x, best first, ordered by (value desc,
+ * index asc): the order in which the greedy sampler's argmax (first maximum) would pick them were the
+ * ones before masked out, ties included, so the first one a grammar allows is the masked argmax. One
+ * pass a row with a k-entry insertion list (most values lose to the k-th at one compare); torch's topk
+ * took ~5 us a row here and leaves the order among equal values unspecified. A row holding a NaN gets
+ * out[0] = -1 (its argmax is the first NaN: the caller masks that row instead). */
+void tandem_topk_rows_f32(const float *x, int64_t row_stride, int64_t cols, const int64_t *row_ids, int64_t n,
+                          int64_t k, int64_t *out) {
+    enum { CHUNK = 16 };
+    float vals[64];
+    for (int64_t r = 0; r < n; r++) {
+        const float *row = x + row_ids[r] * row_stride;
+        int64_t *idx = out + r * k, filled = 0;
+        int nan = 0;
+        for (int64_t c = 0; c < cols && !nan; c += CHUNK) {
+            int64_t end = c + CHUNK < cols ? c + CHUNK : cols;
+            if (filled == k) {  /* a vector pass: most chunks hold nothing better than the k-th */
+                float mx = -INFINITY;
+                int bad = 0;
+#pragma omp simd reduction(max : mx) reduction(| : bad)
+                for (int64_t i = c; i < end; i++) {
+                    mx = row[i] > mx ? row[i] : mx;
+                    bad |= row[i] != row[i];
+                }
+                if (!bad && !(mx > vals[k - 1])) continue;
+            }
+            for (int64_t i = c; i < end; i++) {
+                float v = row[i];
+                if (v != v) { nan = 1; break; }
+                if (filled == k && !(v > vals[k - 1])) continue;  /* equal to the k-th: a later index loses */
+                int64_t j = filled < k ? filled++ : k - 1;
+                while (j > 0 && vals[j - 1] < v) {  /* after every equal value: lower indices come first */
+                    vals[j] = vals[j - 1];
+                    idx[j] = idx[j - 1];
+                    j--;
+                }
+                vals[j] = v;
+                idx[j] = i;
+            }
+        }
+        if (nan) idx[0] = -1;
+    }
+}
+
 /* Structured outputs: x[r, t] = -inf for every token t whose bit is clear in row r's llguidance mask
  * (bit b of int32 word w is token 32 w + b) and for the columns past the mask's vocabulary (`vocab`:
  * padded logits rows). In place; `row_ids` (or NULL: 0, 1, ...) names the row of x each mask row is for. torch needs ~6 passes over [rows, vocab] for this (unpack the bits,

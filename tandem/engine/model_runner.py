@@ -114,7 +114,7 @@ class ModelRunner:
         plain = [s.request for s, _, _ in sample_rows if not s.spec_token_ids]
         constrained = [i for i, r in enumerate(plain) if r.grammar is not None]
         for i in constrained:
-            plain[i].grammar.sync(plain[i].output_token_ids)
+            plain[i].grammar.sync(plain[i].token_ids, plain[i].num_prompt_tokens)
         constrained = [i for i in constrained if plain[i].grammar.masks_first(plain[i].params)]
         if not constrained:
             return None
@@ -169,7 +169,7 @@ class ModelRunner:
                 rows = logits_processors.process(logits[offset:offset + k], [r] * k,
                                                  [s.spec_token_ids[:j] for j in range(k)])
                 if r.grammar is not None:  # row j under the grammar state the first j draft tokens lead to
-                    r.grammar.sync(r.output_token_ids)
+                    r.grammar.sync(r.token_ids, r.num_prompt_tokens)
                     rows = rows.clone()  # it may be a view of the step's logits, kept raw for logprobs
                     structured.mask_rows(rows, r.grammar.allowed_along(s.spec_token_ids), r.grammar.vocab_size)
                 toks = spec_decode.verify(rows, s.spec_token_ids, self.draft_probs.get(rid),

@@ -91,7 +91,7 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def _grammar_complete(self) -> bool:
-        self.grammar.sync(self.output_token_ids)
+        self.grammar.sync(self.token_ids, self.num_prompt_tokens)
         return self.grammar.finished
 
     def append_token(self, token_id: int) -> bool:

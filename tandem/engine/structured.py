@@ -148,14 +148,15 @@ class GrammarState:
     def record(self, missed: bool) -> None:
         self.miss_rate = MISS_DECAY * self.miss_rate + (1 - MISS_DECAY) * missed
 
-    def sync(self, output_token_ids: list[int]) -> None:
-        """Feed the output tokens the matcher has not seen (in order). A token the grammar refuses
-        (it cannot come from a masked sample) leaves the matcher in its error state: then every token
-        is masked but EOS, and the request ends."""
-        new = output_token_ids[self.consumed:]
-        if new and not self.matcher.is_stopped():
-            self.matcher.consume_tokens(new)
-        self.consumed = len(output_token_ids)
+    def sync(self, token_ids: list[int], start: int = 0) -> None:
+        """Feed the output tokens `token_ids[start:]` the matcher has not seen (in order; the engine
+        passes a request's whole token list and its prompt length, which spares a copy of the output
+        every step). A token the grammar refuses (it cannot come from a masked sample) leaves the
+        matcher in its error state: then every token is masked but EOS, and the request ends."""
+        seen = start + self.consumed
+        if seen < len(token_ids) and not self.matcher.is_stopped():
+            self.matcher.consume_tokens(token_ids[seen:])
+        self.consumed = len(token_ids) - start
 
     @property
     def finished(self) -> bool:
@@ -209,27 +210,12 @@ def best_allowed(rows: torch.Tensor, picked: list[int], states: list[GrammarStat
                  ) -> list[int | None]:
     """For each of the rows `picked`, the masked argmax found among its CANDIDATES best tokens, or None
     (the caller masks the row); `refused` holds each one's token the grammar refused already.
-    Exact, ties included: argmax picks the lowest index among equal values, so candidates are tried
-    by (value desc, index asc), and one whose value equals the K-th best is not trusted (a
-    lower-indexed token of that value may lie outside the K)."""
-    width = rows.shape[1]
-    k = min(CANDIDATES, width)
-    values, indices = rows.topk(k, dim=1)  # every row: cheaper than gathering the picked ones first
-    values, indices = values.tolist(), indices.tolist()
+    Exact, ties included: the candidates come in the order argmax (the first maximum) would pick
+    them were the ones before masked out — value desc, index asc (fused.topk_rows) — so the first one
+    the grammar allows is the masked argmax."""
     out: list[int | None] = []
-    for row, state, known in zip(picked, states, refused):
-        vals, idx = values[row], indices[row]
-        boundary, found = vals[-1], None
-        pairs = zip(vals, idx)
-        if len(set(vals)) < k:  # ties: in index order (topk's order among equals is unspecified)
-            pairs = iter(sorted(pairs, key=lambda c: (-c[0], c[1])))
-        for v, t in pairs:
-            if v <= boundary and k < width:
-                break
-            if t != known and state.allows(t):
-                found = t
-                break
-        out.append(found)
+    for candidates, state, known in zip(fused.topk_rows(rows, picked, min(CANDIDATES, rows.shape[1])), states, refused):
+        out.append(next((t for t in candidates or () if t != known and state.allows(t)), None))
     return out
 
 
