@@ -1,5 +1,5 @@
 /* Small-batch linear layers, fp32 arithmetic: y [M, N] = x [M, K] W^T (+ bias), W [N, K] row-major
- * (nn.Linear's layout), M <= 4, W either bf16 bits or fp32.
+ * (nn.Linear's layout), M <= 8 in one pass over W (more: in chunks of 8), W either bf16 bits or fp32.
  *
  * Why: a decode step of a few sequences reads every weight once and does ~M multiply-adds with each, so
  * its time is the bytes of the weights, and what matters is streaming them at the memory's speed.
@@ -75,7 +75,10 @@ static inline float load1w(float v) { return v; }
     ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 1, 4) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 1, 1)                      \
     ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 2, 4) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 2, 1)                      \
     ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 3, 2) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 3, 1)                      \
-    ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 4, 2) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 4, 1)
+    ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 4, 2) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 4, 1)                      \
+    ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 5, 2) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 5, 1)                      \
+    ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 6, 2) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 6, 1)                      \
+    ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 7, 1) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 8, 1)
 ROWS_BLOCKS(bf16w, uint16_t, widen8, widen1)
 ROWS_BLOCKS(f32w, float, load8w, load1w)
 #undef ROWS_BLOCKS
@@ -107,6 +110,10 @@ static inline void prefetch_bytes(const void *p, int64_t n) {
     case 2: RUN_ROWS(NAME, 2, 4)                                                                              \
     case 3: RUN_ROWS(NAME, 3, 2)                                                                              \
     case 4: RUN_ROWS(NAME, 4, 2)                                                                              \
+    case 5: RUN_ROWS(NAME, 5, 2)                                                                              \
+    case 6: RUN_ROWS(NAME, 6, 2)                                                                              \
+    case 7: RUN_ROWS(NAME, 7, 1)                                                                              \
+    case 8: RUN_ROWS(NAME, 8, 1)                                                                              \
     }                                                                                                         \
     return -1;
 
@@ -120,14 +127,15 @@ static int rows_f32w(const float *x, const float *w, const float *bias, float *y
     DISPATCH(f32w)
 }
 
-/* Both return 0, or -1 for M < 1 (the caller then uses oneDNN). Past 4 rows, groups of 4 and the rest, each
- * a pass over the weights: 5-8 rows (a batch-1 speculative verification) read a bf16 weight twice, the
- * bytes of one fp32 pass, still faster than oneDNN's packed fp32 product at those rows (the shipped
- * model's 25 linears, 2 threads: 5 rows 1.11-1.18 -> 0.97-0.99 ms, 8 rows 1.39-1.43 -> 1.16 ms). */
+/* Both return 0, or -1 for M < 1 (the caller then uses oneDNN). Up to 8 rows in one pass over the weights
+ * (R*M accumulators + R weight vectors + 1 input vector fit AVX2's 16 registers up to M = 8, R = 1): a
+ * batch-1 speculative verification reads each weight once for its k + 1 rows. Shipped model's 25 linears,
+ * 2 threads, weights evicted: 5 rows 1.12-1.13 -> 0.90-0.98 ms, 6 rows 1.14-1.38 -> 0.96-1.00 ms against
+ * groups of 4 and the rest (two passes); 9+ rows go 8 at a time. */
 #define CHUNKED(FN)                                                                                           \
     if (M < 1) return -1;                                                                                     \
-    for (int64_t r = 0; r < M; r += 4)                                                                        \
-        if (FN(x + r * K, w, bias, y + r * N, M - r < 4 ? M - r : 4, N, K, num_threads)) return -1;         \
+    for (int64_t r = 0; r < M; r += 8)                                                                        \
+        if (FN(x + r * K, w, bias, y + r * N, M - r < 8 ? M - r : 8, N, K, num_threads)) return -1;         \
     return 0;
 
 int tandem_linear_bf16w_f32(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M, int64_t N,

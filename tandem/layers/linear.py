@@ -52,8 +52,8 @@ _ONEDNN = (getattr(_mkldnn, "_linear_pointwise", None)
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 PACK_ROWS = 64  # the batch size oneDNN lays packed weights out for (8 and 64 measured the same)
 _REORDER = getattr(_mkldnn, "_reorder_linear_weight", None) if _ONEDNN is not None else None
-# Rows up to which bf16-stored weights go through kernels/csrc/linear_cpu.c: measured 1-8 (5-8 in two
-# passes, still 14-18% faster than oneDNN there: a batch-1 speculative step verifies k + 1 = 5 rows).
+# Rows up to which bf16-stored weights go through kernels/csrc/linear_cpu.c: measured 1-8, each one pass
+# over the weights (a batch-1 speculative step verifies k + 1 = 5 rows).
 SMALL_BATCH = 8
 SMALL_BATCH_F32 = 3  # ... and fp32 ones (at 4 rows oneDNN's packed kernel was as fast)
 
