@@ -14,9 +14,10 @@ of held-out standard-library files (the files tools/train_tiny.py holds out: sor
 - decode tok/s counts only tokens produced after every request of the batch has its first token
   (prefill excluded). At batch 16 speculation is forced on (spec_max_batch=16); with the default
   spec_max_batch=8 the engine switches it off there and runs at the baseline speed.
-- each configuration runs --repeats times (default 3) and the fastest run counts; a run is --rounds
-  consecutive batches (default 1) on different prompts, timed together (at batch 1 one prompt alone
-  is a thin sample: acceptance varies a lot between prompts).
+- each configuration runs --repeats times (default 3), round-robin with the others, and the fastest run
+  counts ("speedup"); "paired" is the median over repeats of each run's ratio to the baseline run of the
+  same repeat. A run is --rounds consecutive batches (default 1) on different prompts, timed together
+  (at batch 1 one prompt alone is a thin sample: acceptance varies a lot between prompts).
 - mean accepted length = draft tokens kept per verifying step (tokens per step is that + 1).
 - speculators: none (the baseline), ngram, draft_model, eagle, on the same prompts.
 All greedy, so every configuration must produce the same tokens; the bench checks that.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sysconfig
 import time
 from pathlib import Path
@@ -142,22 +144,28 @@ def main() -> None:
     configs = {"none": {}, "ngram": dict(speculator="ngram"),
                "draft_model": dict(speculator="draft_model", draft_model=draft),
                "eagle": dict(speculator="eagle", draft_model=head)}
-    print(f"{'batch':>5} {'speculator':>12} {'decode tok/s':>13} {'speedup':>8} {'accept len':>11} {'accept rate':>12}")
+    print(f"{'batch':>5} {'speculator':>12} {'decode tok/s':>13} {'speedup':>8} {'paired':>7} {'accept len':>11} "
+          f"{'accept rate':>12}")
     for b in (int(x) for x in args.batches.split(",")):
         prompts = [pool[i % len(pool)] for i in range(b * args.rounds)]
-        base_tps, base_out = None, None
-        for name, opts in configs.items():
-            spec = dict(opts, num_speculative_tokens=args.k, spec_max_batch=max(b, 8)) if opts else {}
-            # Best of --repeats: other jobs on the machine only ever make a run slower.
-            runs = [decode_run(model, prompts, args.new_tokens, b, **spec) for _ in range(args.repeats)]
-            tps, outs, stats = max(runs, key=lambda r: r[0])
-            if base_out is None:
-                base_tps, base_out = tps, outs
-            elif outs != base_out:
+        specs = {name: dict(opts, num_speculative_tokens=args.k, spec_max_batch=max(b, 8)) if opts else {}
+                 for name, opts in configs.items()}
+        # Round-robin, --repeats times: this VM's speed drifts up to 2x within minutes, so every
+        # configuration samples the same stretch of time; a configuration's fastest run counts (other
+        # jobs only ever slow a run down), and "paired" is the median of each repeat's own ratio.
+        runs: dict[str, list] = {name: [] for name in configs}
+        for _ in range(args.repeats):
+            for name, spec in specs.items():
+                runs[name].append(decode_run(model, prompts, args.new_tokens, b, **spec))
+        base_tps, base_out = max(r[0] for r in runs["none"]), runs["none"][0][1]
+        for name in configs:
+            tps, outs, stats = max(runs[name], key=lambda r: r[0])
+            if any(r[1] != base_out for r in runs[name]):
                 raise SystemExit(f"greedy output changed with speculator {name!r}: verification is broken")
+            paired = statistics.median(r[0] / n[0] for r, n in zip(runs[name], runs["none"]))
             acc = f"{stats['mean_accepted_length']:.2f}" if stats else "-"
             rate = f"{stats['acceptance_rate']:.1%}" if stats else "-"
-            print(f"{b:>5} {name:>12} {tps:>13.1f} {tps / base_tps:>7.2f}x {acc:>11} {rate:>12}")
+            print(f"{b:>5} {name:>12} {tps:>13.1f} {tps / base_tps:>7.2f}x {paired:>6.2f}x {acc:>11} {rate:>12}")
 
     # The draft and the head as predictors of the target: greedy, K = 4, plain held-out text (no repetition).
     plain = [tok.encode(s)[:256] for s in heldout_snippets(8, 1200)]
