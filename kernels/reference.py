@@ -60,6 +60,7 @@ def store_kv(
 
 
 _last_slots: list = [None]
+SMALL_SLOTS = 64  # up to this many stored tokens (decode steps, an EAGLE head's passes), _slot_plan uses lists
 
 
 def _slot_plan(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -70,6 +71,13 @@ def _slot_plan(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tenso
     last = _last_slots[0]
     if last is not None and last[0] is slot_mapping and last[1] == block_size:
         return last[2]
+    if slot_mapping.numel() <= SMALL_SLOTS and slot_mapping.device.type == "cpu":
+        slots = slot_mapping.tolist()
+        if min(slots, default=0) >= 0:  # a few tokens, all stored: list arithmetic beats ~6 torch ops
+            k_rows = torch.tensor([x // block_size * (2 * block_size) + x % block_size for x in slots])
+            plan = (None, k_rows, k_rows + block_size)
+            _last_slots[0] = (slot_mapping, block_size, plan)
+            return plan
     keep = slot_mapping >= 0
     if bool(keep.all()):
         keep, kept = None, slot_mapping

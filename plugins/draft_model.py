@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from kernels import get_ops
+from kernels import fused, get_ops
 from plugins.eviction import LRUEviction
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model_runner import position_seed
@@ -152,7 +152,7 @@ def sample_drafts(batch: list[tuple[Request, int]], logits: torch.Tensor, tokens
         logits = logits[:, :vocab_size]
     elif logits.shape[1] < vocab_size:
         logits = torch.nn.functional.pad(logits, (0, vocab_size - logits.shape[1]), value=float("-inf"))
-    greedy = logits.argmax(dim=-1).tolist()
+    greedy = fused.argmax_rows(logits)
     for i, (r, _) in enumerate(batch):
         if r.params.greedy:
             tokens[r.request_id].append(greedy[i])

@@ -163,4 +163,4 @@ class EagleRunner:
         spans = [(self.seqs[r.request_id].block_ids, start, len(toks)) for r, toks, _, start in feed]
         meta, positions, ends = paged_metadata(spans, decode, self.ops, self.kv_caches, self.block_size, self.device)
         out = self.head(self.embed(ids), torch.cat([f for _, _, f, _ in feed]), positions, meta)
-        return out[ends]
+        return out if len(ends) == len(out) else out[ends]  # one token each (passes 2..k): every row, in order

@@ -80,6 +80,33 @@ def test_out_of_range_blocks_and_lengths_are_refused():
         native_cpu.paged_decode_attention(query, cache, tables, torch.tensor([40, 16 * tables.shape[1] + 1]), 0.2)
 
 
+def test_small_tables_are_checked_in_python_with_the_same_verdicts(monkeypatch):
+    """Small block tables (a batch-1 step, an EAGLE head's passes) are checked over lists; over random
+    tables, lengths and windows that path and the tensor path accept and refuse alike, message for message."""
+    import random
+
+    rng = random.Random(0)
+    verdicts = []
+    for trial in range(3000):
+        b, width, bs, nb = rng.randint(1, 4), rng.randint(1, 8), rng.choice([2, 4, 16]), rng.randint(4, 30)
+        tables = torch.randint(-2 if trial % 3 == 0 else 0, nb + (3 if trial % 3 == 1 else 0), (b, width),
+                               dtype=torch.int32)
+        q, window = rng.randint(1, 2), rng.choice([None, None, 3, 5, 17])
+        lens = torch.randint(q, width * bs + (2 if trial % 5 == 0 else 1), (b,), dtype=torch.int32)
+        got = []
+        for small in (10**9, 0):
+            monkeypatch.setattr(native_cpu, "SMALL_TABLE", small)
+            native_cpu._last_checked[0] = None
+            try:
+                native_cpu._checked(tables, lens, q, nb, bs, window)
+                got.append("ok")
+            except ValueError as exc:
+                got.append(str(exc))
+        assert got[0] == got[1], (tables.tolist(), lens.tolist(), q, nb, bs, window)
+        verdicts.append(got[0] == "ok")
+    assert 0.2 < sum(verdicts) / len(verdicts) < 0.8  # both verdicts well represented
+
+
 def test_other_dtypes_take_the_reference():
     """A quantized or half cache is not the kernel's: the reference's result, bit for bit."""
     query, cache, tables, seq_lens = _case(5, b=3, h=8, hkv=2, d=64, bs=16, q_len=1, lens=[50, 17, 120])
