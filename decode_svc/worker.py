@@ -86,7 +86,11 @@ class DecodeWorker:
         poller = zmq.Poller()
         poller.register(self.server.sock, zmq.POLLIN)
         self.peers.register(poller)
-        poller.poll(0 if runnable else (2 if waiting_kv else 20))
+        kv_fd = self.kv.receiver.ready_fd if self.kv is not None else None
+        if kv_fd is not None:  # P's `done` wakes this loop at once: the first token goes out without a timer tick
+            poller.register(kv_fd, zmq.POLLIN)
+        ready = dict(poller.poll(0 if runnable else (2 if waiting_kv else 20)))
+        kv_woke = kv_fd is not None and kv_fd in ready  # a step's connector poll reads (and clears) it
         for identity, msg in self.server.receive():
             with request_context(msg.get("id")):  # the request id on every log line
                 self._safely(self.handle, identity, msg)
@@ -96,7 +100,7 @@ class DecodeWorker:
         for peer in self.peers.lost():
             if self.kv is not None:
                 self.kv.peer_gone(peer)
-        if runnable or waiting_kv:
+        if runnable or waiting_kv or kv_woke:
             t0 = time.monotonic()
             outs = self.engine.step()
             self.obs.step_done(self.engine.current_schedule, t0, outs)

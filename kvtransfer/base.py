@@ -188,6 +188,13 @@ class KVReceiver(ABC):
     def poll(self, timeout_ms: int = 0) -> list[TransferEvent]:
         """Write arrived layers into the cache and return what happened; waits at most timeout_ms."""
 
+    @property
+    def ready_fd(self) -> int | None:
+        """A file descriptor that turns readable when poll() has a transfer's end to report (a `done`,
+        a cancel, a failed sender), for a caller's own select/zmq.Poller; poll() clears it. None: the
+        connector offers none (the caller polls on a timer)."""
+        return None
+
     @abstractmethod
     def cancel(self, request_id: str) -> None:
         """Stop accepting data for it; a later poll reports TransferFailed(request_id, 'cancelled'),

@@ -142,7 +142,7 @@ class DistReceiver(BaseReceiver):
         log.warning("kv_pair_failed", reason=reason)
         with self._peers_lock:
             self.remove_peer(peer)  # it must handshake again
-        self._inbox.put(PeerFailed(peer, reason))
+        self._notify(PeerFailed(peer, reason))
 
 
 @dataclass(slots=True)

@@ -59,6 +59,9 @@ class ReceiverIO:
     def _drop_peer(self, info: Peer) -> None:
         raise NotImplementedError
 
+    def _notify(self, item: Any) -> None:
+        raise NotImplementedError
+
     def _io_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
@@ -104,7 +107,7 @@ class ReceiverIO:
             if msg["type"] == "kv":
                 self._on_kv(peer, info, wire.parse_kv(msg, self.layout), frames[2:], t_ns)
             elif msg["type"] in ("done", "cancel", "cancel_ack") and len(frames) == 2:
-                self._inbox.put(Control(peer, msg, t_ns))
+                self._notify(Control(peer, msg, t_ns))
             else:
                 raise wire.ProtocolError(f"unexpected {msg['type']} message with {len(frames) - 2} payload frames")
         except wire.ProtocolError as exc:

@@ -331,3 +331,35 @@ def test_zmq_connector_keeps_freed_layer_buffers_mapped() -> None:
     assert faults("none") > 4000  # the default (8123 here): a fifth of the pages faulted in again every transfer
     assert faults("zmq") < 1000
     assert faults("zmq", MALLOC_TRIM_THRESHOLD_="131072") > 4000  # the user's setting wins
+
+
+def test_receiver_ready_fd_wakes_a_poller_for_the_end_of_a_transfer() -> None:
+    """A decode worker sleeps in its own poller between steps; the receiver's ready_fd turns readable
+    when P's `done` arrives (not for every layer), and poll() clears it."""
+    import select
+
+    import torch
+
+    from kvtransfer import CONNECTORS, TransferDone
+
+    c = CONNECTORS["zmq"](timeout_s=30)
+    caches, scales = c.allocate_kv_caches(FP32, 16)
+    rx = c.make_receiver(FP32, caches, scales, "tcp://127.0.0.1:*")
+    tx = c.make_sender(FP32, "cpu")
+    try:
+        tx.connect(rx.address)
+        src = torch.randn(8, *FP32.block_shape)
+        rx.expect("r", [3, 4])
+        for layer in range(FP32.num_layers):
+            tx.send_layer(rx.address, "r", layer, src, None, [0, 1], [3, 4])
+        time.sleep(0.3)  # every layer is in; no `done` yet
+        assert select.select([rx.ready_fd], [], [], 0)[0] == []
+        tx.finish_async("r", result={"first_token": 7})
+        assert select.select([rx.ready_fd], [], [], 5)[0] == [rx.ready_fd]
+        events = rx.poll(0)
+        assert any(isinstance(e, TransferDone) and e.request_id == "r" for e in events)
+        assert select.select([rx.ready_fd], [], [], 0)[0] == []
+        assert torch.equal(caches[1][3:5], src[0:2])
+    finally:
+        tx.close()
+        rx.close()

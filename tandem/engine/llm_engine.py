@@ -242,6 +242,8 @@ class LLMEngine:
         if self.thread_backoff is not None:  # fewer threads while another process takes cores
             self.thread_backoff.tick()
         outputs = self._apply_kv_updates()
+        if outputs:  # first tokens sampled by a prefill worker go out now, not after this step's forward
+            return outputs  # (a decode step later: TTFT + one step); the next call runs the step
         if self.speculator is not None:
             self._speculate()
         beam_rows = self.beams.schedule()  # beam groups' hypotheses, first: a group runs whole or not at all
