@@ -123,7 +123,8 @@ def topk_rows(x: torch.Tensor, rows: list[int], k: int) -> list[list[int] | None
     if n and not 0 <= min(rows) <= max(rows) < x.shape[0]:
         raise ValueError(f"topk_rows: rows {rows} outside x's {x.shape[0]} rows")
     out = (ctypes.c_int64 * (n * k))()  # ctypes arrays: torch tensors cost ~10 us to make and read back
-    lib.tandem_topk_rows_f32(x.data_ptr(), x.stride(0), x.shape[1], (ctypes.c_int64 * n)(*rows), n, k, out)
+    lib.tandem_topk_rows_f32(x.data_ptr(), x.stride(0), x.shape[1], (ctypes.c_int64 * n)(*rows), n, k, out,
+                             torch.get_num_threads())
     flat = out[:]
     return [None if flat[i] < 0 else flat[i:i + k] for i in range(0, n * k, k)]
 

@@ -91,7 +91,7 @@ def library() -> ctypes.CDLL | None:
             ("tandem_rope_f32", None, [ptr, i64, ptr, ptr, i64, i32, i32, i32]),
             ("tandem_argmax_f32", None, [ptr, i64, i64, ptr, i32]),
             ("tandem_apply_bitmask_f32", None, [ptr, i64, i64, i64, ptr, i64, i64, ptr]),
-            ("tandem_topk_rows_f32", None, [ptr, i64, i64, ptr, i64, i64, ptr]),
+            ("tandem_topk_rows_f32", None, [ptr, i64, i64, ptr, i64, i64, ptr, i32]),
             ("tandem_linear_bf16w_f32", i32, [ptr] * 4 + [i64] * 3 + [i32]),
             ("tandem_linear_f32w_f32", i32, [ptr] * 4 + [i64] * 3 + [i32]),
         ]:

@@ -103,10 +103,11 @@ void tandem_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t *out,
  * took ~5 us a row here and leaves the order among equal values unspecified. A row holding a NaN gets
  * out[0] = -1 (its argmax is the first NaN: the caller masks that row instead). */
 void tandem_topk_rows_f32(const float *x, int64_t row_stride, int64_t cols, const int64_t *row_ids, int64_t n,
-                          int64_t k, int64_t *out) {
+                          int64_t k, int64_t *out, int num_threads) {
     enum { CHUNK = 16 };
-    float vals[64];
+#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && n >= 4)
     for (int64_t r = 0; r < n; r++) {
+        float vals[64];
         const float *row = x + row_ids[r] * row_stride;
         int64_t *idx = out + r * k, filled = 0;
         int nan = 0;
