@@ -169,3 +169,29 @@ def test_env_switch_and_bad_value():
     assert out.returncode == 0 and out.stdout.strip() == "torch", out.stderr
     out = _import_with("mkl")
     assert out.returncode != 0 and "TANDEM_LINEAR must be 'onednn' or 'torch'" in out.stderr
+
+
+def test_small_batch_plan_follows_a_replaced_or_written_weight_and_bias():
+    """_small_batch plans the C call once per weight/bias version: a bias or weight replaced by a new
+    tensor, or written in place, is what the next call multiplies by."""
+    torch.manual_seed(0)
+    layer = lin.Linear(64, 32, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(layer.weight.bfloat16().float())
+    x = torch.randn(2, 64)
+
+    def check() -> None:
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+    check()
+    assert layer._plan is not None and layer._plan[3]  # the bf16 kernel
+    layer.bias = torch.nn.Parameter(torch.randn(32))  # replaced
+    check()
+    with torch.no_grad():
+        layer.bias.add_(3.0)  # written in place
+        layer.weight.mul_(2.0)  # still bf16-exact: the bf16 copy must be made again
+    check()
+    layer.weight = torch.nn.Parameter(torch.randn(32, 64))  # replaced by a plain fp32 weight
+    check()
+    assert layer._plan is not None and not layer._plan[3]  # the fp32 kernel
