@@ -84,18 +84,30 @@ static inline __attribute__((always_inline)) void attend(
     if (lo < 0) lo = 0;
     const int64_t kv_stride = (int64_t)BS * Hkv * D; /* a block's K -> its V */
     const int64_t key_stride = (int64_t)Hkv * D;     /* token t -> t + 1 within a block */
+    const int nh = g_hi - g_lo;                        /* blockbuf holds these heads' rows only */
+    const int64_t ks = (int64_t)nh * D, buf_kv = (int64_t)BS * ks; /* ... token stride, K -> V */
     for (int blk = lo / BS; blk * BS < seq_len; blk++) {
         const int j0 = blk * BS;
         /* One bulk copy of the block into a buffer that stays in L1/L2: a memcpy keeps many cache
          * misses in flight, where the arithmetic below, reading memory directly, waits on each
          * (measured: 1.9x faster on blocks scattered as the engine allocates them). */
-        memcpy(blockbuf, cache + (int64_t)table[blk] * 2 * kv_stride, sizeof(float) * 2 * kv_stride);
+        const float *src = cache + (int64_t)table[blk] * 2 * kv_stride;
+        if (nh == Hkv) {
+            memcpy(blockbuf, src, sizeof(float) * 2 * kv_stride);
+        } else { /* a unit of some KV heads (a batch of one split over threads): only their rows */
+            for (int t = 0; t < BS; t++) {
+                memcpy(blockbuf + t * ks, src + t * key_stride + g_lo * D, sizeof(float) * ks);
+                memcpy(blockbuf + buf_kv + t * ks, src + kv_stride + t * key_stride + g_lo * D, sizeof(float) * ks);
+            }
+        }
         if ((blk + 1) * BS < seq_len) { /* and the next block's lines on their way while this one computes */
-            const char *next = (const char *)(cache + (int64_t)table[blk + 1] * 2 * kv_stride);
-            for (int64_t c = 0; c < (int64_t)sizeof(float) * 2 * kv_stride; c += 64) __builtin_prefetch(next + c, 0, 2);
+            const char *next = (const char *)(cache + (int64_t)table[blk + 1] * 2 * kv_stride + g_lo * D);
+            const int64_t span = nh == Hkv ? sizeof(float) * 2 * kv_stride : sizeof(float) * ks;
+            for (int t = 0; t < (nh == Hkv ? 1 : 2 * BS); t++)  /* whole block, or each K and V row's heads */
+                for (int64_t c = 0; c < span; c += 64) __builtin_prefetch(next + t * sizeof(float) * key_stride + c, 0, 2);
         }
         for (int g = g_lo; g < g_hi; g++) {
-            const float *kb = blockbuf + (int64_t)g * D, *vb = kb + kv_stride;
+            const float *kb = blockbuf + (int64_t)(g - g_lo) * D, *vb = kb + buf_kv;
             for (int qi = 0; qi < Q; qi++) {
                 const int pos = seq_len - Q + qi; /* this token's position: it sees keys [a, b) of the block */
                 int a = window > 0 ? pos - window + 1 - j0 : 0, b = pos + 1 - j0;
@@ -108,8 +120,8 @@ static inline __attribute__((always_inline)) void attend(
                 for (int h = 0; h < G; h++) {
                     const float *qh = q0 + h * D;
                     int t = a;
-                    for (; t + 8 <= b; t += 8) dots8(qh, kb + t * key_stride, key_stride, D, scale, s + h * BS + t);
-                    for (; t < b; t++) s[h * BS + t] = dot(qh, kb + t * key_stride, D) * scale;
+                    for (; t + 8 <= b; t += 8) dots8(qh, kb + t * ks, ks, D, scale, s + h * BS + t);
+                    for (; t < b; t++) s[h * BS + t] = dot(qh, kb + t * ks, D) * scale;
                 }
                 for (int h = 0; h < G; h++) { /* online softmax: rescale what was summed under an older max */
                     float *sh = s + h * BS, mx = m[r0 + h], sum = 0.f;
@@ -138,10 +150,10 @@ static inline __attribute__((always_inline)) void attend(
                         vec8 a0 = load8(acc0 + h * D + 8 * c), a1 = {0};
                         int t = a;
                         for (; t + 1 < b; t += 2) {
-                            a0 += ph[t] * load8(v + t * key_stride);
-                            a1 += ph[t + 1] * load8(v + (t + 1) * key_stride);
+                            a0 += ph[t] * load8(v + t * ks);
+                            a1 += ph[t + 1] * load8(v + (t + 1) * ks);
                         }
-                        if (t < b) a0 += ph[t] * load8(v + t * key_stride);
+                        if (t < b) a0 += ph[t] * load8(v + t * ks);
                         a0 += a1;
                         memcpy(acc0 + h * D + 8 * c, &a0, sizeof a0);
                     }
