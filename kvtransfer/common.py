@@ -1,11 +1,11 @@
-"""Helpers shared by both halves of every connector: inbox item types, cache checks, wake pipes,
-endpoint resolution and rate-limited drop logging."""
+"""Helpers shared by both halves of every connector: inbox item types, the receiver's records of
+expected requests and fences, cache checks, wake pipes, endpoint resolution and rate-limited drop logging."""
 
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -166,3 +166,28 @@ class DropLog:
         self.counts[reason] = n
         if n <= self._first or n % self._every == 0:
             self._log.warning("kv_message_dropped", reason=reason, count=n, **details)
+
+
+@dataclass(slots=True)
+class PendingTransfer:
+    """The receiver's record of one expected request (BaseReceiver.expect)."""
+
+    dest_ids: list[int]
+    dest_set: frozenset[int]
+    timeout_ns: int
+    last_ns: int
+    covered: list[set[int]]
+    peer: bytes | None = None
+    messages: int = 0
+    nbytes: int = 0
+    done: tuple[int, int] | None = None
+    result: dict = field(default_factory=dict)  # the sender's completion map (a prefill worker: first token)
+
+
+@dataclass(slots=True)
+class Fence:
+    """A cancelled shm request waiting for its senders' cancel_ack before it is reported."""
+
+    reason: str
+    waiting: set[bytes]
+    deadline_ns: int

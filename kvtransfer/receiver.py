@@ -21,7 +21,6 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import structlog
@@ -36,7 +35,9 @@ from kvtransfer.common import (
     Arrival,
     Control,
     DropLog,
+    Fence,
     PeerFailed,
+    PendingTransfer,
     WakePipe,
     check_block_ids,
     check_caches,
@@ -47,27 +48,6 @@ from kvtransfer.receiver_io import Peer, ReceiverIO
 from tandem.protocol import security
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(slots=True)
-class _Pending:
-    dest_ids: list[int]
-    dest_set: frozenset[int]
-    timeout_ns: int
-    last_ns: int
-    covered: list[set[int]]
-    peer: bytes | None = None
-    messages: int = 0
-    nbytes: int = 0
-    done: tuple[int, int] | None = None
-    result: dict = field(default_factory=dict)  # the sender's completion map (a prefill worker: first token)
-
-
-@dataclass(slots=True)
-class _Fence:
-    reason: str
-    waiting: set[bytes]
-    deadline_ns: int
 
 
 class BaseReceiver(ReceiverIO, KVReceiver):
@@ -86,8 +66,8 @@ class BaseReceiver(ReceiverIO, KVReceiver):
         self.kv_caches, self.kv_scales = list(kv_caches), None if kv_scales is None else list(kv_scales)
         self.ops = get_ops(kv_caches[0].device)
         self._timeout_s = timeout_s
-        self._requests: dict[str, _Pending] = {}
-        self._fences: dict[str, _Fence] = {}
+        self._requests: dict[str, PendingTransfer] = {}
+        self._fences: dict[str, Fence] = {}
         self._events: list[TransferEvent] = []
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
@@ -142,7 +122,7 @@ class BaseReceiver(ReceiverIO, KVReceiver):
         timeout = self._timeout_s if timeout_s is None else timeout_s
         if timeout <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout}")
-        self._requests[request_id] = _Pending(
+        self._requests[request_id] = PendingTransfer(
             ids, frozenset(ids), int(timeout * 1e9), time.monotonic_ns(), [set() for _ in range(self.layout.num_layers)]
         )
 
@@ -256,7 +236,7 @@ class BaseReceiver(ReceiverIO, KVReceiver):
         req.result = c.msg["result"]
         self._try_complete(rid, req)
 
-    def _try_complete(self, rid: str, req: _Pending) -> None:
+    def _try_complete(self, rid: str, req: PendingTransfer) -> None:
         if req.done is None or req.messages < req.done[0]:
             return  # torch_dist payloads may trail the done message
         missing = [layer for layer, got in enumerate(req.covered) if len(got) != len(req.dest_ids)]
@@ -283,7 +263,7 @@ class BaseReceiver(ReceiverIO, KVReceiver):
         for p in peers:
             self._send(p, wire.encode("cancel", request_id=rid))
         if fence and self.write_fence and live:
-            self._fences[rid] = _Fence(reason, live, time.monotonic_ns() + int(self.FENCE_TIMEOUT_S * 1e9))
+            self._fences[rid] = Fence(reason, live, time.monotonic_ns() + int(self.FENCE_TIMEOUT_S * 1e9))
         else:
             self._events.append(TransferFailed(rid, reason))
 

@@ -1,0 +1,79 @@
+"""KV connectors within one process (no rig of worker processes): what a process with a zmq connector
+does to its allocator, and the receiver's ready_fd that wakes a decode worker's poller."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvtransfer import CacheLayout
+
+ROOT = str(Path(__file__).resolve().parents[1])
+FP32 = CacheLayout("tiny", "float32", "float32", block_size=4, num_layers=4, num_kv_heads=2, head_dim=8)
+
+_FAULTS_SCRIPT = """
+import resource, sys, torch
+from kvtransfer import CONNECTORS, CacheLayout
+if sys.argv[1] == "zmq":
+    CONNECTORS["zmq"]().make_sender(CacheLayout("t", "float32", "float32", 4, 1, 1, 8), "cpu").close()
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def transfer():  # a transfer's worth of layers alive at once, then freed: 8 x 2 MiB = 4096 pages
+    return [torch.empty(1 << 19).fill_(1.0) for _ in range(8)]
+transfer()
+before = faults()
+for _ in range(10):
+    transfer()
+print(faults() - before)
+"""
+
+
+def test_zmq_connector_keeps_freed_layer_buffers_mapped() -> None:
+    """Every zmq transfer allocates multi-MiB buffers (P's packed layer, D's message); glibc would map
+    each afresh and fault it in page by page. A process with a zmq sender reuses them instead,
+    unless the user tuned malloc through the environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "LD_PRELOAD"}
+
+    def faults(connector: str, **extra: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, connector], env={**env, **extra}, cwd=ROOT,
+                             capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    assert faults("none") > 4000  # the default (8123 here): a fifth of the pages faulted in again every transfer
+    assert faults("zmq") < 1000
+    assert faults("zmq", MALLOC_TRIM_THRESHOLD_="131072") > 4000  # the user's setting wins
+
+
+def test_receiver_ready_fd_wakes_a_poller_for_the_end_of_a_transfer() -> None:
+    """A decode worker sleeps in its own poller between steps; the receiver's ready_fd turns readable
+    when P's `done` arrives (not for every layer), and poll() clears it."""
+    import select
+
+    import torch
+
+    from kvtransfer import CONNECTORS, TransferDone
+
+    c = CONNECTORS["zmq"](timeout_s=30)
+    caches, scales = c.allocate_kv_caches(FP32, 16)
+    rx = c.make_receiver(FP32, caches, scales, "tcp://127.0.0.1:*")
+    tx = c.make_sender(FP32, "cpu")
+    try:
+        tx.connect(rx.address)
+        src = torch.randn(8, *FP32.block_shape)
+        rx.expect("r", [3, 4])
+        for layer in range(FP32.num_layers):
+            tx.send_layer(rx.address, "r", layer, src, None, [0, 1], [3, 4])
+        time.sleep(0.3)  # every layer is in; no `done` yet
+        assert select.select([rx.ready_fd], [], [], 0)[0] == []
+        tx.finish_async("r", result={"first_token": 7})
+        assert select.select([rx.ready_fd], [], [], 5)[0] == [rx.ready_fd]
+        events = rx.poll(0)
+        assert any(isinstance(e, TransferDone) and e.request_id == "r" for e in events)
+        assert select.select([rx.ready_fd], [], [], 0)[0] == []
+        assert torch.equal(caches[1][3:5], src[0:2])
+    finally:
+        tx.close()
+        rx.close()
