@@ -53,6 +53,7 @@ def test_first_token_goes_out_before_the_steps_forward(tmp_path):
     outs = engine.step()
     assert [(o.request_id, o.new_token_ids) for o in outs] == [(remote, [7])]
     assert len(forwards) == 2  # no forward ran in that call: the first token did not wait for one
+    assert engine.current_schedule is None  # so a worker's step metrics count no step for that call
     outs = engine.step()  # now both decode in one forward
     assert sorted(o.request_id for o in outs) == sorted([local, remote]) and len(forwards) == 3
     assert {s.request.request_id for s in forwards[-1].scheduled} == {local, remote}

@@ -243,7 +243,8 @@ class LLMEngine:
             self.thread_backoff.tick()
         outputs = self._apply_kv_updates()
         if outputs:  # first tokens sampled by a prefill worker go out now, not after this step's forward
-            return outputs  # (a decode step later: TTFT + one step); the next call runs the step
+            self.current_schedule = None  # (a decode step later: TTFT + one step); no step ran: none to count
+            return outputs  # the next call runs the step
         if self.speculator is not None:
             self._speculate()
         beam_rows = self.beams.schedule()  # beam groups' hypotheses, first: a group runs whole or not at all
