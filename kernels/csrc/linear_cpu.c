@@ -12,8 +12,7 @@
  *   9.5 ms at 1 thread, 8.5 -> 6.5 ms at 2; at 4 rows oneDNN is as fast, so callers stop at 3).
  * Accumulation is fp32, as in fp32 oneDNN (only the summation order differs). docs/PERFORMANCE.md.
  *
- * R weight rows x M input rows are done together, their R*M 8-wide accumulators in registers; rows of W
- * are split over OpenMP threads (torch's runtime: kernels/native_cpu.py). */
+ * Rows of W are split over OpenMP threads (torch's runtime: kernels/native_cpu.py). */
 #include <stdint.h>
 #include <string.h>
 
@@ -46,74 +45,76 @@ static inline f32x8 load8f(const float *p) {
 static inline f32x8 load8w(const float *p) { return load8f(p); }
 static inline float load1w(float v) { return v; }
 
-/* R weight rows times M input rows: R*M 8-wide accumulators in registers. T is the weight's type (uint16_t:
- * bf16 bits, widened; float: as is), WIDEN8/WIDEN1 how its values become fp32. */
-#define ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, M, R)                                                             \
-    static inline __attribute__((always_inline)) void NAME##_##M##_##R(const float *x, const T *w, int64_t K, \
-                                                                        float *y, int64_t N, const float *bias) { \
-        f32x8 acc[R][M];                                                                                       \
-        for (int r = 0; r < R; r++)                                                                            \
-            for (int m = 0; m < M; m++) acc[r][m] = (f32x8){0};                                                \
-        int64_t k = 0;                                                                                         \
-        for (; k + 8 <= K; k += 8) {                                                                           \
-            f32x8 wv[R];                                                                                       \
-            for (int r = 0; r < R; r++) wv[r] = WIDEN8(w + r * K + k);                                         \
-            for (int m = 0; m < M; m++) {                                                                      \
-                const f32x8 xv = load8f(x + m * K + k);                                                        \
-                for (int r = 0; r < R; r++) acc[r][m] += wv[r] * xv;                                          \
-            }                                                                                                  \
-        }                                                                                                      \
-        for (int r = 0; r < R; r++)                                                                            \
-            for (int m = 0; m < M; m++) {                                                                      \
-                float s = 0.f;                                                                                 \
-                for (int i = 0; i < 8; i++) s += acc[r][m][i];                                                 \
-                for (int64_t t = k; t < K; t++) s += x[m * K + t] * WIDEN1(w[r * K + t]);                      \
-                y[m * N + r] = s + (bias ? bias[r] : 0.f);                                                     \
-            }                                                                                                  \
-    }
-#define ROWS_BLOCKS(NAME, T, WIDEN8, WIDEN1)                                                                  \
-    ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 1, 4) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 1, 1)                      \
-    ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 2, 4) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 2, 1)                      \
-    ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 3, 2) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 3, 1)                      \
-    ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 4, 2) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 4, 1)                      \
-    ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 5, 2) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 5, 1)                      \
-    ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 6, 2) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 6, 1)                      \
-    ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 7, 1) ROWS_BLOCK(NAME, T, WIDEN8, WIDEN1, 8, 1)
-ROWS_BLOCKS(bf16w, uint16_t, widen8, widen1)
-ROWS_BLOCKS(f32w, float, load8w, load1w)
-#undef ROWS_BLOCKS
-#undef ROWS_BLOCK
+/* One weight row at a time against all M input rows: each thread walks its contiguous share of W as one
+ * stream, prefetching PREFETCH_AHEAD bytes ahead into L2 one cache line per line consumed. The previous
+ * layout (R = 1-4 rows together, the next group's bytes prefetched in one burst into L1) streamed the 55M
+ * Llama's weights at 16-19 GB/s where a read-only sum reaches 26-29; this one reaches 23-27 (1-3 rows, 2
+ * threads, weights evicted; docs/PERFORMANCE.md "Session 14"). U accumulators per input row along K keep
+ * enough independent FMAs in flight when M is small; the sum of them is the only change of order. */
+#define PREFETCH_AHEAD 4096
+#define PREFETCH_LOCALITY 2 /* prefetcht1 (L2): beat 0 (nta, 1.4x slower) and 3 (t0) at 1-3 rows */
 
-/* The rows 4 KB ahead on their way, at least the next group (best of 4-32 KB measured at M = 1..4): short rows (256 bf16 = 8
- * cache lines for the shipped model) give the hardware prefetcher little to learn from, and one thread
- * streamed them at ~5 GB/s without. */
-#define PREFETCH_BYTES 4096
-static inline void prefetch_bytes(const void *p, int64_t n) {
-    for (int64_t i = 0; i < n; i += 64) __builtin_prefetch((const char *)p + i, 0, 0);
-}
-
-/* Threads only for a weight big enough to pay for waking them (64k elements). */
-#define RUN_ROWS(NAME, M, R)                                                                                  \
-    {                                                                                                         \
-        const int64_t groups = N / R, ahead = 1 + PREFETCH_BYTES / (R * K * (int64_t)sizeof *w);             \
-        _Pragma("omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && N * K >= 65536)") \
-        for (int64_t g = 0; g < groups; g++) {                                                                \
-            if (g + ahead < groups) prefetch_bytes(w + (g + ahead) * R * K, R * K * (int64_t)sizeof *w);     \
-            NAME##_##M##_##R(x, w + g * R * K, K, y + g * R, N, bias ? bias + g * R : 0);                    \
+#define STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, M, U)                                                            \
+    static void NAME##_rows_##M(const float *x, const T *w, int64_t K, float *y, int64_t N, int64_t n0,       \
+                                int64_t n1, const float *bias) {                                              \
+        const int64_t ahead = PREFETCH_AHEAD / (int64_t)sizeof(T), step = 8 * U;                              \
+        for (int64_t n = n0; n < n1; n++) {                                                                   \
+            const T *row = w + n * K;                                                                         \
+            f32x8 acc[M][U];                                                                                  \
+            for (int m = 0; m < M; m++)                                                                       \
+                for (int u = 0; u < U; u++) acc[m][u] = (f32x8){0};                                          \
+            int64_t k = 0;                                                                                    \
+            for (; k + step <= K; k += step) {                                                                \
+                for (int64_t b = 0; b < step * (int64_t)sizeof(T); b += 64)                                   \
+                    __builtin_prefetch((const char *)(row + k + ahead) + b, 0, PREFETCH_LOCALITY);            \
+                for (int u = 0; u < U; u++) {                                                                 \
+                    const f32x8 wv = WIDEN8(row + k + 8 * u);                                                 \
+                    for (int m = 0; m < M; m++) acc[m][u] += wv * load8f(x + m * K + k + 8 * u);             \
+                }                                                                                             \
+            }                                                                                                 \
+            const int64_t tail8 = k + (K - k) / 8 * 8;                                                        \
+            for (int m = 0; m < M; m++) {                                                                     \
+                f32x8 a = acc[m][0];                                                                          \
+                for (int u = 1; u < U; u++) a += acc[m][u];                                                   \
+                for (int64_t j = k; j < tail8; j += 8) a += WIDEN8(row + j) * load8f(x + m * K + j);         \
+                float s = 0.f;                                                                                \
+                for (int i = 0; i < 8; i++) s += a[i];                                                        \
+                for (int64_t j = tail8; j < K; j++) s += x[m * K + j] * WIDEN1(row[j]);                       \
+                y[m * N + n] = s + (bias ? bias[n] : 0.f);                                                    \
+            }                                                                                                 \
         }                                                                                                     \
-        for (int64_t n = groups * R; n < N; n++) NAME##_##M##_1(x, w + n * K, K, y + n, N, bias ? bias + n : 0); \
-        return 0;                                                                                             \
     }
+#define STREAMS(NAME, T, WIDEN8, WIDEN1)                                                                      \
+    STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 1, 4) STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 2, 2)                    \
+    STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 3, 2) STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 4, 1)                    \
+    STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 5, 1) STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 6, 1)                    \
+    STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 7, 1) STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 8, 1)
+STREAMS(bf16w, uint16_t, widen8, widen1)
+STREAMS(f32w, float, load8w, load1w)
+#undef STREAMS
+#undef STREAM_ROWS
+
+int omp_get_thread_num(void);
+int omp_get_num_threads(void);
+
+/* Threads only for a weight big enough to pay for waking them (64k elements); each takes one contiguous
+ * share of W's rows. */
+#define RUN_ROWS(NAME, M)                                                                                     \
+    case M:                                                                                                   \
+        if (num_threads > 1 && N * K >= 65536) {                                                              \
+            _Pragma("omp parallel num_threads(num_threads)") {                                               \
+                const int64_t share = (N + omp_get_num_threads() - 1) / omp_get_num_threads();               \
+                const int64_t a = omp_get_thread_num() * share, b = a + share < N ? a + share : N;            \
+                if (a < b) NAME##_rows_##M(x, w, K, y, N, a, b, bias);                                        \
+            }                                                                                                 \
+        } else {                                                                                              \
+            NAME##_rows_##M(x, w, K, y, N, 0, N, bias);                                                       \
+        }                                                                                                     \
+        return 0;
 #define DISPATCH(NAME)                                                                                        \
     switch (M) {                                                                                              \
-    case 1: RUN_ROWS(NAME, 1, 4)                                                                              \
-    case 2: RUN_ROWS(NAME, 2, 4)                                                                              \
-    case 3: RUN_ROWS(NAME, 3, 2)                                                                              \
-    case 4: RUN_ROWS(NAME, 4, 2)                                                                              \
-    case 5: RUN_ROWS(NAME, 5, 2)                                                                              \
-    case 6: RUN_ROWS(NAME, 6, 2)                                                                              \
-    case 7: RUN_ROWS(NAME, 7, 1)                                                                              \
-    case 8: RUN_ROWS(NAME, 8, 1)                                                                              \
+        RUN_ROWS(NAME, 1) RUN_ROWS(NAME, 2) RUN_ROWS(NAME, 3) RUN_ROWS(NAME, 4)                              \
+        RUN_ROWS(NAME, 5) RUN_ROWS(NAME, 6) RUN_ROWS(NAME, 7) RUN_ROWS(NAME, 8)                              \
     }                                                                                                         \
     return -1;
 
@@ -128,8 +129,8 @@ static int rows_f32w(const float *x, const float *w, const float *bias, float *y
 }
 
 /* Both return 0, or -1 for M < 1 (the caller then uses oneDNN). Up to 8 rows in one pass over the weights
- * (R*M accumulators + R weight vectors + 1 input vector fit AVX2's 16 registers up to M = 8, R = 1): a
- * batch-1 speculative verification reads each weight once for its k + 1 rows. Shipped model's 25 linears,
+ * (M*U accumulators + 1 weight vector + 1 input vector fit AVX2's 16 registers): a batch-1 speculative
+ * verification reads each weight once for its k + 1 rows. Shipped model's 25 linears,
  * 2 threads, weights evicted: 5 rows 1.12-1.13 -> 0.90-0.98 ms, 6 rows 1.14-1.38 -> 0.96-1.00 ms against
  * groups of 4 and the rest (two passes); 9+ rows go 8 at a time. */
 #define CHUNKED(FN)                                                                                           \

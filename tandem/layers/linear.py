@@ -23,10 +23,10 @@ SMALL_BATCH rows — a decode step of a few sequences, whose time is the bytes o
 `Linear` keeps those bf16 bits (checked exact once per weight version) and multiplies through
 kernels/csrc/linear_cpu.c, which widens them in registers: the same products from half the bytes
 (the shipped model's 25 linears at one row: 2.80 -> 1.16 ms at 1 thread, 2.23 -> 0.68 ms at 2). Other
-fp32 weights (the 55M benchmark Llama's random ones) go through the same kernel's fp32 variant for up
-to SMALL_BATCH_F32 rows: oneDNN's packed kernel streams such small products at 11-19 GB/s here, the C
-loop with its rows prefetched ahead at 16-26 GB/s (55M Llama, one row: 11.9 -> 9.5 ms at 1 thread,
-8.5 -> 6.5 ms at 2).
+fp32 weights (the 55M benchmark Llama's random ones) go through the same kernel's fp32 variant, also up
+to SMALL_BATCH rows: oneDNN's packed kernel streams such small products at 14-18 GB/s here, the C loop
+(each thread one prefetched stream of weight rows) at 21-23 GB/s from 1 to 5 rows and as fast as oneDNN
+at 6-8 (55M Llama's 33 linears, 2 threads: 1 row 10.7 -> 6.9 ms, 4 rows 8.9 -> 7.1 ms).
 
 The results differ from `F.linear` only by summation order (~1e-6 relative in fp32), as two BLAS
 builds would. `TANDEM_LINEAR=torch` switches back to `F.linear` (for A/B runs and as an escape
@@ -52,10 +52,9 @@ _ONEDNN = (getattr(_mkldnn, "_linear_pointwise", None)
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 PACK_ROWS = 64  # the batch size oneDNN lays packed weights out for (8 and 64 measured the same)
 _REORDER = getattr(_mkldnn, "_reorder_linear_weight", None) if _ONEDNN is not None else None
-# Rows up to which bf16-stored weights go through kernels/csrc/linear_cpu.c: measured 1-8, each one pass
-# over the weights (a batch-1 speculative step verifies k + 1 = 5 rows).
+# Rows up to which weights go through kernels/csrc/linear_cpu.c: measured 1-8, each one pass over the
+# weights (a batch-1 speculative step verifies k + 1 = 5 rows).
 SMALL_BATCH = 8
-SMALL_BATCH_F32 = 3  # ... and fp32 ones (at 4 rows oneDNN's packed kernel was as fast)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -107,8 +106,8 @@ class Linear(nn.Linear):
 
     def _small_batch(self, x: torch.Tensor) -> torch.Tensor | None:
         """y = x W^T + b through kernels/csrc/linear_cpu.c, from the weight's bf16 bits where they lose
-        nothing, else (up to SMALL_BATCH_F32 rows) from its fp32 values; None where neither applies: not
-        CPU fp32 inference, or no native library (see the module docstring). What the kernel reads is
+        nothing, else from its fp32 values; None where neither applies: not CPU fp32 inference, or no
+        native library (see the module docstring). What the kernel reads is
         planned once per weight version (a batch-1 step makes ~25 of these calls, each ~6 us of Python
         before the plan)."""
         w, bias = self._parameters["weight"], self._parameters["bias"]
@@ -116,8 +115,7 @@ class Linear(nn.Linear):
         if self._plan_key != key:  # first use, or the weight or bias was replaced or written
             self._plan, self._plan_key = self._make_plan(w, bias), key
         plan, rows = self._plan, x.shape[0]
-        if plan is None or not fused.ALLOWED or (w.requires_grad and torch.is_grad_enabled()) or (
-                rows > (SMALL_BATCH if plan[3] else SMALL_BATCH_F32)) or x.numel() == 0 or (
+        if plan is None or not fused.ALLOWED or (w.requires_grad and torch.is_grad_enabled()) or x.numel() == 0 or (
                 x.dtype != torch.float32 or not x.is_contiguous() or not x.is_cpu):
             return None
         y = x.new_empty((rows, w.shape[0]))
