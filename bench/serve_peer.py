@@ -8,7 +8,9 @@ same checkpoint, measured by one client -- vLLM's own `vllm bench serve` -- for 
 Each mode starts its server as a child process group on 127.0.0.1 (free ports), waits for /health,
 sends a short warm-up burst, then for each rate runs `vllm bench serve --dataset-name random
 --ignore-eos` with Poisson arrivals at that rate (inf = all at once, i.e. saturation) and stops the
-server (SIGINT, then SIGTERM, then SIGKILL to the whole group). Reported per run: completed/failed
+server (SIGINT, then SIGTERM, then SIGKILL to the whole group). Each rate draws its own prompts (seed =
+the rate's index, the same for every server): with one seed, every rate after the first replayed the
+first one's prompts into a warm prefix cache and measured cache hits, not prefills. Reported per run: completed/failed
 requests, TTFT and ITL p50/p99 (ms), TPOT p50 (ms), output tok/s; tandem rows also show tandem/vLLM
 for TTFT p99, ITL p50 and TPOT p50 at the same rate and OMP variant (< 1 = tandem is faster).
 
@@ -154,13 +156,13 @@ def warm_up(base: str, model: str, input_len: int, n: int = 4) -> None:
         t.join()
 
 
-def run_client(a, base: str, served: str, rate: str, result: Path, env: dict) -> dict:
+def run_client(a, base: str, served: str, rate: str, seed: int, result: Path, env: dict) -> dict:
     cmd = [a.vllm_python, "-c", VLLM_CLI, "bench", "serve", "--backend", "openai",
            "--base-url", base, "--endpoint", "/v1/completions", "--model", served,
            "--tokenizer", a.model, "--dataset-name", "random",
            "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
            "--request-rate", rate, "--num-prompts", str(a.num_prompts), "--ignore-eos",
-           "--seed", "0", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+           "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
            "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(result.parent),
            "--result-filename", result.name]
     timeout = 300 + a.num_prompts * 30
@@ -282,11 +284,11 @@ def main() -> None:
                 startup = server.wait_ready(a.startup_timeout)
                 print(f"[{mode}] ready in {startup:.1f}s; warming up", flush=True)
                 warm_up(server.base, served, a.input_len)
-                for rate in a.rates.split(","):
+                for seed, rate in enumerate(a.rates.split(",")):
                     row = {"mode": mode, "omp": omp, "rate": rate, "startup_s": round(startup, 1),
                            "loadavg": os.getloadavg()}
                     try:
-                        row.update(run_client(a, server.base, served, rate,
+                        row.update(run_client(a, server.base, served, rate, seed,
                                               run_dir / f"{mode}-omp_{omp}-rate_{rate}.json", env))
                     except (RuntimeError, subprocess.TimeoutExpired) as e:
                         row["error"] = str(e)

@@ -33,7 +33,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / name for name in ("paged_decode_cpu.c", "fused_cpu.c", "linear_cpu.c")]
+_SOURCES = sorted(_CSRC.glob("*.c"))  # all of them: the cache key below covers every file in csrc/
 # gnu11, not c11: ISO mode turns off the contraction of a * b + c into one FMA (5-8% of the attention kernel).
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _lib: list = []  # [] not tried yet; [None] unavailable; [CDLL] loaded
@@ -94,6 +94,9 @@ def library() -> ctypes.CDLL | None:
             ("tandem_topk_rows_f32", None, [ptr, i64, i64, ptr, i64, i64, ptr, i32]),
             ("tandem_linear_bf16w_f32", i32, [ptr] * 4 + [i64] * 3 + [i32]),
             ("tandem_linear_f32w_f32", i32, [ptr] * 4 + [i64] * 3 + [i32]),
+            ("tandem_decode_layer_scratch", i64, [ptr, i64]),
+            ("tandem_decode_layer_f32", i32, [ptr] * 3 + [i64] + [ptr] * 3 + [i64, i32] + [ptr] * 2 + [i64, ptr]
+             + [i32] * 2 + [ptr, i32]),
         ]:
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes

@@ -110,17 +110,23 @@ class Linear(nn.Linear):
         native library (see the module docstring). What the kernel reads is
         planned once per weight version (a batch-1 step makes ~25 of these calls, each ~6 us of Python
         before the plan)."""
-        w, bias = self._parameters["weight"], self._parameters["bias"]
-        key = (_weight_key(w), None if bias is None else _weight_key(bias))
-        if self._plan_key != key:  # first use, or the weight or bias was replaced or written
-            self._plan, self._plan_key = self._make_plan(w, bias), key
-        plan, rows = self._plan, x.shape[0]
+        w, plan, rows = self._parameters["weight"], self.small_batch_plan(), x.shape[0]
         if plan is None or not fused.ALLOWED or (w.requires_grad and torch.is_grad_enabled()) or x.numel() == 0 or (
                 x.dtype != torch.float32 or not x.is_contiguous() or not x.is_cpu):
             return None
         y = x.new_empty((rows, w.shape[0]))
         plan[0](x.data_ptr(), plan[1], plan[2], y.data_ptr(), rows, w.shape[0], w.shape[1], torch.get_num_threads())
         return y
+
+    def small_batch_plan(self) -> tuple | None:
+        """(C kernel, address of the weight it reads, bias address or None, reads bf16 bits, the bf16 copy),
+        current for this weight and bias (remade when either is replaced or written); None where the C
+        kernel does not apply. tandem/layers/fused_decode.py hands these to its fused layer."""
+        w, bias = self._parameters["weight"], self._parameters["bias"]
+        key = (_weight_key(w), None if bias is None else _weight_key(bias))
+        if self._plan_key != key:  # first use, or the weight or bias was replaced or written
+            self._plan, self._plan_key = self._make_plan(w, bias), key
+        return self._plan
 
     def _make_plan(self, w: torch.Tensor, bias: torch.Tensor | None) -> tuple | None:
         self._bf16 = narrow = _exact_bf16(w)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kernels import fused
+from tandem.layers import fused_decode
 from tandem.layers.attention import Attention, AttentionMetadata
 from tandem.layers.linear import Linear
 from tandem.layers.norm import RMSNorm
@@ -39,6 +40,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
                 ) -> torch.Tensor:
+        if x.shape[0] <= fused_decode.MAX_ROWS:  # a small decode step: the whole layer in one C call
+            out = fused_decode.run(self, x, rope, meta)
+            if out is not None:
+                return out
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), rope, meta))
         return x + self.mlp(h)
 

@@ -1,0 +1,103 @@
+/* One Llama decoder layer for a decode step of a few tokens (up to 8 rows), in one call from Python.
+ *
+ * Why: at one token a layer's arithmetic is small (the shipped model's four linears are ~1.5 MB of bf16
+ * weights, ~30 us from cache), but the unfused layer is ~10 calls into C through ctypes plus the torch
+ * and module plumbing around them: ~190 us a layer measured, of which ~100 us is that plumbing
+ * (docs/PERFORMANCE.md "Session 14"). Here the same C functions run back to back: RMSNorm, the q/k/v
+ * projection, RoPE on q and k, K/V into the paged cache, paged decode attention, the output projection,
+ * the residual add + RMSNorm, gate/up, SiLU*mul, down, the residual add. Every step is the very kernel
+ * the unfused path calls, in the same order, so the result is bitwise the same (tested).
+ *
+ * The caller (tandem/layers/fused_decode.py) checks that the layer and the step qualify (fp32 cache
+ * without scales, no q/k norms, no per-layer hook, block tables already checked) and falls back to the
+ * module path otherwise. */
+#include <stdint.h>
+#include <string.h>
+
+int tandem_linear_bf16w_f32(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M, int64_t N,
+                            int64_t K, int num_threads);
+int tandem_linear_f32w_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
+                           int64_t K, int num_threads);
+void tandem_add_rms_norm_f32(const float *x, const float *delta, float *residual_out, const float *weight,
+                             float *out, int64_t rows, int64_t hidden, float eps, int num_threads);
+void tandem_silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter, int num_threads);
+void tandem_rope_f32(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t rows, int heads,
+                     int D, int num_threads);
+int tandem_paged_decode_f32(const float *query, const float *cache, const int32_t *block_tables,
+                            int64_t table_stride, const int32_t *seq_lens, float *out, int B, int Q, int H,
+                            int Hkv, int D, int BS, float scale, int window, int num_threads);
+
+/* A linear's plan, as tandem.layers.linear.Linear makes it for its own small-batch calls. */
+typedef struct {
+    const void *weight; /* [out, in]: bf16 bits when bf16 != 0, else fp32 */
+    const float *bias;  /* NULL: none */
+    int64_t out_features, in_features;
+    int64_t bf16;
+} tandem_linear_t;
+
+typedef struct {
+    tandem_linear_t qkv, o, gate_up, down;
+    const float *input_norm; /* NULL: no input norm (an EAGLE head's first layer) */
+    const float *post_norm;
+    float input_eps, post_eps, scale;
+    int32_t heads, kv_heads, head_dim, window; /* window 0: full attention */
+} tandem_layer_t;
+
+static int run_linear(const tandem_linear_t *l, const float *x, float *y, int64_t rows, int num_threads) {
+    return l->bf16 ? tandem_linear_bf16w_f32(x, l->weight, l->bias, y, rows, l->out_features, l->in_features,
+                                             num_threads)
+                   : tandem_linear_f32w_f32(x, l->weight, l->bias, y, rows, l->out_features, l->in_features,
+                                            num_threads);
+}
+
+/* Floats of scratch a call with T rows needs. */
+int64_t tandem_decode_layer_scratch(const tandem_layer_t *L, int64_t T) {
+    const int64_t hidden = L->o.out_features, qs = (int64_t)L->heads * L->head_dim;
+    return T * (2 * hidden + L->qkv.out_features + 2 * qs + L->gate_up.out_features + L->down.in_features);
+}
+
+/* x_out [T, hidden] = the layer applied to x_in [T, hidden] (not modified), for T = B * Q decode rows (B
+ * sequences of Q query tokens each, as paged decode attention takes them); cos/sin [T, D] the rows'
+ * rotary tables; slots [T] the cache slots their K/V go to (-1: none); cache [num_slots / BS, 2, BS, Hkv, D].
+ * Returns 0; -1 if a linear refused (M < 1), -2 for a slot outside the cache, -3 if attention refused the
+ * shape (the caller then runs the module path, nothing in the cache having been read yet for -1/-2; a -3
+ * comes after K/V were stored, which the module path stores again, identically). */
+int tandem_decode_layer_f32(const tandem_layer_t *L, const float *x_in, float *x_out, int64_t T, const float *cos,
+                            const float *sin, float *cache, int64_t num_slots, int32_t BS, const int64_t *slots,
+                            const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, int32_t B,
+                            int32_t Q, float *scratch, int num_threads) {
+    const int H = L->heads, Hkv = L->kv_heads, D = L->head_dim;
+    const int64_t hidden = L->o.out_features, qs = (int64_t)H * D, kvs = (int64_t)Hkv * D;
+    const int64_t qkv_n = L->qkv.out_features, inter = L->down.in_features;
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] >= num_slots) return -2;
+    float *h = scratch, *o = h + T * hidden, *qkv = o + T * hidden, *q = qkv + T * qkv_n, *att = q + T * qs;
+    float *gate_up = att + T * qs, *act = gate_up + T * 2 * inter;
+
+    const float *normed = x_in;
+    if (L->input_norm) {
+        tandem_add_rms_norm_f32(x_in, 0, 0, L->input_norm, h, T, hidden, L->input_eps, num_threads);
+        normed = h;
+    }
+    if (run_linear(&L->qkv, normed, qkv, T, num_threads)) return -1;
+    tandem_rope_f32(qkv, qkv_n, cos, sin, T, H + Hkv, D, num_threads);
+    for (int64_t t = 0; t < T; t++) {
+        const float *row = qkv + t * qkv_n;
+        memcpy(q + t * qs, row, sizeof(float) * qs); /* attention takes its queries back to back */
+        if (slots[t] < 0) continue;
+        /* the cache as rows of [Hkv, D]: block b's K rows at 2b * BS, its V rows at (2b + 1) * BS */
+        const int64_t k_row = slots[t] / BS * 2 * BS + slots[t] % BS;
+        memcpy(cache + k_row * kvs, row + qs, sizeof(float) * kvs);
+        memcpy(cache + (k_row + BS) * kvs, row + qs + kvs, sizeof(float) * kvs);
+    }
+    if (tandem_paged_decode_f32(q, cache, tables, table_stride, seq_lens, att, B, Q, H, Hkv, D, BS, L->scale,
+                                L->window, num_threads))
+        return -3;
+    if (run_linear(&L->o, att, o, T, num_threads)) return -1;
+    tandem_add_rms_norm_f32(x_in, o, x_out, L->post_norm, h, T, hidden, L->post_eps, num_threads);
+    if (run_linear(&L->gate_up, h, gate_up, T, num_threads)) return -1;
+    tandem_silu_and_mul_f32(gate_up, act, T, inter, num_threads);
+    if (run_linear(&L->down, act, o, T, num_threads)) return -1;
+    for (int64_t i = 0; i < T * hidden; i++) x_out[i] += o[i];
+    return 0;
+}

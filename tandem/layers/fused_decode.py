@@ -1,0 +1,99 @@
+"""A decoder layer of a small decode step in one C call (kernels/csrc/decode_layer_cpu.c).
+
+Why: a batch-1 decode step of the shipped model spends ~190 us per layer, of which ~100 us is the
+Python, ctypes and torch plumbing between the ten C kernels the layer calls (docs/PERFORMANCE.md,
+"Session 14"); the same plumbing sets the cost of every EAGLE head pass. `run` hands the layer's weights
+(the plans `Linear.small_batch_plan` makes, so the same bf16 or fp32 kernels) and the step's cache
+addresses to one C function that calls those kernels back to back: the result is bitwise the module
+path's (tests/test_fused_decode.py).
+
+It applies to steps of up to MAX_ROWS tokens that are all decode rows, on the native CPU ops, with an
+fp32 cache without scales, no q/k norms, no per-layer hook (a prefill worker's layer-by-layer send),
+in inference; anywhere else `run` returns None and the module path runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import fused, native_cpu
+from tandem.layers.linear import SMALL_BATCH, _weight_key
+
+MAX_ROWS = SMALL_BATCH  # the linears' one-pass C kernel takes up to this many rows
+
+
+class _LinearPlan(ctypes.Structure):
+    _fields_ = [("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("out_features", ctypes.c_int64),
+                ("in_features", ctypes.c_int64), ("bf16", ctypes.c_int64)]
+
+
+class _LayerPlan(ctypes.Structure):  # tandem_layer_t
+    _fields_ = [("qkv", _LinearPlan), ("o", _LinearPlan), ("gate_up", _LinearPlan), ("down", _LinearPlan),
+                ("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("input_eps", ctypes.c_float),
+                ("post_eps", ctypes.c_float), ("scale", ctypes.c_float), ("heads", ctypes.c_int32),
+                ("kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32), ("window", ctypes.c_int32)]
+
+
+def _linear_plan(linear, plan: tuple) -> _LinearPlan:
+    out_features, in_features = linear.weight.shape
+    return _LinearPlan(plan[1], plan[2], out_features, in_features, int(plan[3]))
+
+
+def _layer_plan(layer) -> tuple | None:
+    """(the C struct, a scratch buffer for MAX_ROWS rows), made once per version of the layer's weights:
+    the linears' plans are remade by `small_batch_plan` when a weight changes, and the norms' weights are
+    keyed like them. None where a linear has no C plan."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    plans = tuple(lin.small_batch_plan() for lin in linears)
+    if any(p is None for p in plans):
+        return None
+    norm_in = getattr(layer.input_layernorm, "weight", None)  # nn.Identity: an EAGLE head's first layer
+    norms = (norm_in, layer.post_attention_layernorm.weight)
+    if any(w is not None and (w.dtype != torch.float32 or not w.is_contiguous() or not w.is_cpu) for w in norms):
+        return None
+    key = (plans, tuple(None if w is None else _weight_key(w) for w in norms))
+    cached = getattr(layer, "_fused_decode", None)
+    if cached is not None and cached[0][1] == key[1] and all(a is b for a, b in zip(cached[0][0], plans)):
+        return cached[1]
+    struct = _LayerPlan(
+        *(_linear_plan(lin, p) for lin, p in zip(linears, plans)),
+        None if norm_in is None else norm_in.data_ptr(), norms[1].data_ptr(),
+        getattr(layer.input_layernorm, "eps", 0.0), layer.post_attention_layernorm.eps, attn.scale,
+        attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.window or 0)
+    lib = native_cpu.library()
+    scratch = torch.empty(lib.tandem_decode_layer_scratch(ctypes.byref(struct), MAX_ROWS))
+    # The entry keeps the plans (and so their bf16 copies and the addresses in the struct) alive.
+    layer._fused_decode = (key, (struct, scratch))
+    return struct, scratch
+
+
+def run(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor | None:
+    """The layer's output for x, or None where the fused call does not apply (see the module docstring)."""
+    attn, t = layer.self_attn, x.shape[0]
+    if (not 0 < t <= MAX_ROWS or meta.num_decode_tokens != t or meta.layer_hook is not None
+            or meta.kv_scales is not None or meta.ops.name != "native" or attn.q_norm is not None
+            or not fused.ALLOWED or native_cpu.library() is None):
+        return None
+    cache, (cos, sin) = meta.kv_caches[attn.layer_idx], rope
+    if (x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or cache.dtype != torch.float32
+            or not cache.is_contiguous() or not cache.is_cpu or cos.shape != (t, 1, attn.head_dim)
+            or not cos.is_contiguous() or not sin.is_contiguous() or cos.dtype != torch.float32
+            or (torch.is_grad_enabled() and attn.qkv_proj.weight.requires_grad)):
+        return None
+    planned = _layer_plan(layer)
+    slots = meta.slot_mapping
+    if planned is None or slots.dtype != torch.int64 or not slots.is_contiguous():
+        return None
+    struct, scratch = planned
+    num_blocks, block_size = cache.shape[0], cache.shape[2]
+    tables, lens = native_cpu._checked(meta.decode_block_tables, meta.decode_seq_lens, meta.decode_query_len,
+                                       num_blocks, block_size, attn.window)
+    out = torch.empty_like(x)
+    rc = native_cpu.library().tandem_decode_layer_f32(
+        ctypes.byref(struct), x.data_ptr(), out.data_ptr(), t, cos.data_ptr(), sin.data_ptr(), cache.data_ptr(),
+        num_blocks * block_size, block_size, slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        meta.num_decode_seqs, meta.decode_query_len, scratch.data_ptr(), torch.get_num_threads())
+    return out if rc == 0 else None  # a refusal (a slot outside the cache, say): the module path decides

@@ -1,0 +1,133 @@
+"""The fused decode layer (tandem/layers/fused_decode.py, kernels/csrc/decode_layer_cpu.c): bitwise the
+module path's output and cache writes wherever it applies, refused where it does not, and taken by real
+decode steps of the engine, whose greedy tokens still equal transformers'."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import NATIVE_CPU_OPS, native_cpu
+from tandem.layers import fused_decode
+from tandem.layers.attention import AttentionMetadata
+from tandem.layers.rotary import RotaryEmbedding
+from tandem.models.config import ModelConfig
+from tandem.models.llama import DecoderLayer
+from tests.tiny_models import hf_greedy, make_checkpoint
+
+pytestmark = pytest.mark.skipif(native_cpu.library() is None, reason="no C compiler: the fused layer needs one")
+
+BS, NUM_BLOCKS = 4, 80
+
+
+def _layer(arch: str, bf16_exact: bool, eagle_first: bool, seed: int, **extra) -> DecoderLayer:
+    raw = dict(architectures=[arch], vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+               num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, **extra)
+    layer = DecoderLayer(ModelConfig.from_dict(raw), 0)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 and p.numel() == 64 else 0.0))
+            if bf16_exact:
+                p.copy_(p.bfloat16().float())
+    if eagle_first:
+        layer.input_layernorm = torch.nn.Identity()
+    return layer.eval()
+
+
+def _step(layer: DecoderLayer, b: int, q: int, seed: int):
+    """x, rope, meta and the cache of a decode step of b sequences of q tokens each, at random lengths
+    over random distinct blocks."""
+    g = torch.Generator().manual_seed(seed)
+    attn = layer.self_attn
+    cache = torch.randn(NUM_BLOCKS, 2, BS, attn.num_kv_heads, attn.head_dim, generator=g)
+    blocks = torch.randperm(NUM_BLOCKS, generator=g)[:b * 8].reshape(b, 8).int()
+    lens = torch.randint(q, 8 * BS + 1, (b,), generator=g).int()
+    positions = torch.cat([torch.arange(int(n) - q, int(n)) for n in lens])
+    seq = torch.arange(b).repeat_interleave(q)
+    slots = (blocks[seq, positions // BS].long() * BS + positions % BS).contiguous()
+    x = torch.randn(b * q, 64, generator=g)
+    rope = RotaryEmbedding(attn.head_dim, 64, 10000.0, None).lookup(positions, torch.float32)
+    meta = AttentionMetadata(ops=NATIVE_CPU_OPS, kv_caches=[cache], kv_scales=None, slot_mapping=slots,
+                             num_decode_seqs=b, decode_query_len=q, decode_block_tables=blocks, decode_seq_lens=lens,
+                             prefill_block_tables=None, prefill_query_start_loc=None, prefill_seq_lens=None)
+    return x, rope, meta, cache
+
+
+def _module_path(layer, x, rope, meta, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(fused_decode, "MAX_ROWS", 0)
+        return layer(x, rope, meta)
+
+
+@pytest.mark.parametrize("arch,extra", [("LlamaForCausalLM", {}), ("Qwen2ForCausalLM", {}),  # q/k/v biases
+                                        ("MistralForCausalLM", {"sliding_window": 6})])
+@pytest.mark.parametrize("bf16_exact", [False, True])
+@pytest.mark.parametrize("b,q", [(1, 1), (3, 1), (1, 5), (2, 4), (8, 1)])
+def test_fused_layer_is_bitwise_the_module_path(monkeypatch, arch, extra, bf16_exact, b, q):
+    layer = _layer(arch, bf16_exact, eagle_first=(b == 3), seed=b * 10 + q, **extra)
+    x, rope, meta, cache = _step(layer, b, q, seed=b + q)
+    cache_module = cache.clone()
+    x_before = x.clone()
+    with torch.inference_mode():
+        fused = fused_decode.run(layer, x, rope, meta)
+        assert fused is not None
+        meta.kv_caches = [cache_module]
+        module = _module_path(layer, x, rope, meta, monkeypatch)
+    assert torch.equal(x, x_before)  # the input is not written
+    assert torch.equal(fused, module)
+    assert torch.equal(cache, cache_module)  # the same K/V rows in the same slots, nothing else touched
+    # and a wrong result would show: the step really attends over what it stored
+    assert not torch.equal(fused, x)
+
+
+def test_the_fused_layer_follows_a_written_weight(monkeypatch):
+    layer = _layer("LlamaForCausalLM", False, False, seed=1)
+    x, rope, meta, cache = _step(layer, 1, 1, seed=1)
+    with torch.inference_mode():
+        first = fused_decode.run(layer, x, rope, meta)
+    with torch.no_grad():
+        layer.mlp.down_proj.weight.mul_(2)
+        layer.post_attention_layernorm.weight.add_(0.5)
+    with torch.inference_mode():
+        again = fused_decode.run(layer, x, rope, meta)
+        module = _module_path(layer, x, rope, meta, monkeypatch)
+    assert not torch.equal(first, again) and torch.equal(again, module)
+
+
+def test_steps_it_does_not_apply_to_are_left_to_the_module_path():
+    layer = _layer("LlamaForCausalLM", False, False, seed=2)
+    x, rope, meta, _ = _step(layer, 1, 1, seed=2)
+    with torch.inference_mode():
+        assert fused_decode.run(layer, x, rope, meta) is not None
+        for change in ({"layer_hook": lambda i: None}, {"kv_scales": [torch.ones(1)]},
+                       {"ops": dataclasses.replace(NATIVE_CPU_OPS, name="reference")},
+                       {"num_decode_seqs": 0}):
+            saved = {k: getattr(meta, k) for k in change}
+            for k, v in change.items():
+                setattr(meta, k, v)
+            assert fused_decode.run(layer, x, rope, meta) is None, change
+            for k, v in saved.items():
+                setattr(meta, k, v)
+        meta.slot_mapping = torch.tensor([NUM_BLOCKS * BS])  # outside the cache: refused before any write
+        assert fused_decode.run(layer, x, rope, meta) is None
+    qwen3 = _layer("Qwen3ForCausalLM", False, False, seed=3, head_dim=16)  # q/k norms
+    x, rope, meta, _ = _step(qwen3, 1, 1, seed=3)
+    with torch.inference_mode():
+        assert fused_decode.run(qwen3, x, rope, meta) is None
+
+
+def test_engine_decode_steps_take_the_fused_layer_and_stay_exact(tmp_path, monkeypatch):
+    from tandem import LLM, SamplingParams
+
+    path = make_checkpoint(str(tmp_path / "m"), seed=5)
+    taken = []
+    real = fused_decode.run
+    monkeypatch.setattr(fused_decode, "run", lambda *a: taken.append(r := real(*a)) or r)
+    prompts = [[5, 9, 33, 7, 81, 2, 44], [17, 3, 3, 90, 12]]
+    llm = LLM(path, max_model_len=128)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 12)
+    assert sum(r is not None for r in taken) >= 2 * 11  # every decode step of both layers, at least
