@@ -1,8 +1,8 @@
 """Native CPU kernels: C sources in kernels/csrc/ compiled on first use with the machine's C compiler.
 
 Paged decode attention is here; the fused elementwise ops of a layer (RMSNorm, SiLU*mul, RoPE) are
-in kernels/fused.py and the small-batch linears over bf16-stored weights in tandem/layers/linear.py,
-on the same library.
+in kernels/fused.py, the small-batch linears in tandem/layers/linear.py and the one-call decoder layer
+of a small decode step in tandem/layers/fused_decode.py, on the same library.
 
 The torch reference ops are exact but, for paged decode attention on a CPU, most of their time is
 the gather of each sequence's blocks into a padded buffer and a dozen small ops per layer (measured:
