@@ -75,8 +75,8 @@ int tandem_decode_layer_f32(const tandem_layer_t *L, const float *x_in, float *x
     float *gate_up = att + T * qs, *act = gate_up + T * 2 * inter;
 
     const float *normed = x_in;
-    if (L->input_norm) {
-        tandem_add_rms_norm_f32(x_in, 0, 0, L->input_norm, h, T, hidden, L->input_eps, num_threads);
+    if (L->input_norm) { /* without a delta the residual is x itself: never written */
+        tandem_add_rms_norm_f32(x_in, 0, (float *)x_in, L->input_norm, h, T, hidden, L->input_eps, num_threads);
         normed = h;
     }
     if (run_linear(&L->qkv, normed, qkv, T, num_threads)) return -1;
