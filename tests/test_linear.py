@@ -65,7 +65,7 @@ def test_every_weight_takes_onednn_packed_and_is_repacked_when_written(monkeypat
 @pytest.mark.parametrize("bias", [False, True])
 def test_small_batches_of_bf16_exact_weights_use_their_bf16_bits(monkeypatch, threads, bias):
     """A weight that is exactly bf16 (a bf16 checkpoint served in fp32) multiplies from a bf16 copy at up
-    to SMALL_BATCH rows, with fp32 accumulation: as exact as oneDNN's fp32 product. An odd shape (K not a
+    to SMALL_BATCH_BF16 rows, with fp32 accumulation: as exact as oneDNN's fp32 product. An odd shape (K not a
     multiple of 8, N not of the thread split) covers the tails; a larger batch goes to oneDNN, and a
     weight that stops being exactly bf16 goes to the fp32 kernel."""
     calls = []
@@ -80,17 +80,20 @@ def test_small_batches_of_bf16_exact_weights_use_their_bf16_bits(monkeypatch, th
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
-            for rows in range(1, lin.SMALL_BATCH + 2):
+            for rows in range(1, lin.SMALL_BATCH_BF16 + 2):
                 x = torch.randn(rows, 300)
                 want = F.linear(x.double(), layer.weight.double(), None if bias is False else layer.bias.double())
                 torch.testing.assert_close(layer(x).double(), want, rtol=0, atol=2e-6)
             assert layer._bf16 is not None and layer._bf16.dtype == torch.bfloat16
-            assert calls == [lin.SMALL_BATCH + 1]  # only the batch past SMALL_BATCH went to oneDNN
+            assert calls == [lin.SMALL_BATCH_BF16 + 1]  # only the batch past SMALL_BATCH_BF16 went to oneDNN
+            calls.clear()
             with torch.no_grad():
-                layer.weight[0, 0] += 1e-4  # no longer a bf16 value: checked again, oneDNN from now on
+                layer.weight[0, 0] += 1e-4  # no longer a bf16 value: checked again, the fp32 kernel from now on
             x = torch.randn(lin.SMALL_BATCH, 300)
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-            assert layer._bf16 is None and not layer._plan[3] and calls == [lin.SMALL_BATCH + 1]
+            assert layer._bf16 is None and not layer._plan[3] and calls == []
+            layer(torch.randn(lin.SMALL_BATCH + 1, 300))  # fp32 past SMALL_BATCH: oneDNN
+            assert calls == [lin.SMALL_BATCH + 1]
             plain(torch.randn(lin.SMALL_BATCH + 1, 64))
             assert plain._bf16 is None and calls[-1] == lin.SMALL_BATCH + 1
     finally:

@@ -7,7 +7,8 @@ Python, ctypes and torch plumbing between the ten C kernels the layer calls (doc
 addresses to one C function that calls those kernels back to back: the result is bitwise the module
 path's (tests/test_fused_decode.py).
 
-It applies to steps of up to MAX_ROWS tokens that are all decode rows, on the native CPU ops, with an
+It applies to steps of up to MAX_ROWS tokens (SMALL_BATCH where a linear reads fp32 weights: past that,
+oneDNN wins, and the module path takes it) that are all decode rows, on the native CPU ops, with an
 fp32 cache without scales, no q/k norms, no per-layer hook (a prefill worker's layer-by-layer send),
 in inference; anywhere else `run` returns None and the module path runs.
 """
@@ -19,9 +20,9 @@ import ctypes
 import torch
 
 from kernels import fused, native_cpu
-from tandem.layers.linear import SMALL_BATCH, _weight_key
+from tandem.layers.linear import SMALL_BATCH, SMALL_BATCH_BF16, _weight_key
 
-MAX_ROWS = SMALL_BATCH  # the linears' one-pass C kernel takes up to this many rows
+MAX_ROWS = SMALL_BATCH_BF16  # a layer whose linears all read bf16 copies; SMALL_BATCH where one reads fp32
 
 
 class _LinearPlan(ctypes.Structure):
@@ -94,7 +95,8 @@ def _make_layer_plan(layer) -> tuple | None:
         attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.window or 0)
     lib = native_cpu.library()
     scratch = torch.empty(lib.tandem_decode_layer_scratch(ctypes.byref(struct), MAX_ROWS))
-    return struct, scratch, plans
+    max_rows = SMALL_BATCH_BF16 if all(p[3] for p in plans) else SMALL_BATCH  # as Linear's own calls decide
+    return struct, scratch, max_rows, plans
 
 
 def run(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor | None:
@@ -114,7 +116,9 @@ def run(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta) -
     slots = meta.slot_mapping
     if planned is None or slots.dtype != torch.int64 or not slots.is_contiguous():
         return None
-    struct, scratch, _ = planned
+    struct, scratch, max_rows, _ = planned
+    if t > max_rows:
+        return None
     num_blocks, block_size = cache.shape[0], cache.shape[2]
     tables, lens = native_cpu._checked(meta.decode_block_tables, meta.decode_seq_lens, meta.decode_query_len,
                                        num_blocks, block_size, attn.window)

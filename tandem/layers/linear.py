@@ -19,7 +19,7 @@ is a second copy of each linear weight in memory (`TANDEM_LINEAR=torch` has none
 
 **Small batches of bf16-stored weights.** A checkpoint stored in bf16 and served in fp32 (the usual
 CPU case; the shipped model is one) has fp32 weights that are bf16 values widened. For up to
-SMALL_BATCH rows — a decode step of a few sequences, whose time is the bytes of the weights —
+SMALL_BATCH_BF16 rows — a decode step of a few sequences, whose time is the bytes of the weights —
 `Linear` keeps those bf16 bits (checked exact once per weight version) and multiplies through
 kernels/csrc/linear_cpu.c, which widens them in registers: the same products from half the bytes
 (the shipped model's 25 linears at one row: 2.80 -> 1.16 ms at 1 thread, 2.23 -> 0.68 ms at 2). Other
@@ -52,9 +52,12 @@ _ONEDNN = (getattr(_mkldnn, "_linear_pointwise", None)
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 PACK_ROWS = 64  # the batch size oneDNN lays packed weights out for (8 and 64 measured the same)
 _REORDER = getattr(_mkldnn, "_reorder_linear_weight", None) if _ONEDNN is not None else None
-# Rows up to which weights go through kernels/csrc/linear_cpu.c: measured 1-8, each one pass over the
-# weights (a batch-1 speculative step verifies k + 1 = 5 rows).
+# Rows up to which weights go through kernels/csrc/linear_cpu.c (one pass over the weights per 8 rows; a
+# batch-1 speculative step verifies k + 1 = 5 rows). fp32 weights: up to 8 (at 12-16 rows oneDNN's packed
+# kernel was faster: the 55M Llama's linears 9.6 / 10.9 ms against 11.7 / 13.0). bf16-stored weights, half
+# the bytes: up to 16 (the shipped model's, 12 / 16 rows: oneDNN 2.15 / 2.17 ms, C 1.54 / 1.71).
 SMALL_BATCH = 8
+SMALL_BATCH_BF16 = 16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -98,7 +101,7 @@ class Linear(nn.Linear):
     _plan_key: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= SMALL_BATCH and _choice != "torch":
+        if x.dim() == 2 and x.shape[0] <= SMALL_BATCH_BF16 and _choice != "torch":
             y = self._small_batch(x)
             if y is not None:
                 return y
@@ -111,7 +114,8 @@ class Linear(nn.Linear):
         planned once per weight version (a batch-1 step makes ~25 of these calls, each ~6 us of Python
         before the plan)."""
         w, plan, rows = self._parameters["weight"], self.small_batch_plan(), x.shape[0]
-        if plan is None or not fused.ALLOWED or (w.requires_grad and torch.is_grad_enabled()) or x.numel() == 0 or (
+        if plan is None or rows > (SMALL_BATCH_BF16 if plan[3] else SMALL_BATCH) or not fused.ALLOWED or (
+                w.requires_grad and torch.is_grad_enabled()) or x.numel() == 0 or (
                 x.dtype != torch.float32 or not x.is_contiguous() or not x.is_cpu):
             return None
         y = x.new_empty((rows, w.shape[0]))
