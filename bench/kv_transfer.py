@@ -3,8 +3,9 @@ plain memory copy (torch `copy_`) of the same bytes measured in the same run.
 
 Default workload: the benchmark model (8 layers, 2 KV heads, head dim 64, fp32 cache, block 16)
 and a 2k-token prompt, i.e. 128 blocks x 8 layers = 16 MiB per transfer. One transfer = send_layer
-for every layer + D's acknowledgement (so it includes D writing its cache). "one-at-a-time" waits
-for each acknowledgement (latency); "streamed" sends transfers back to back and collects the
+for every layer + D's acknowledgement (so it includes D writing its cache). The sender lends its
+blocks (`borrow=True`), as a prefill worker does for a prompt's last chunk: zmq sends them without a
+copy. "one-at-a-time" waits for each acknowledgement (latency); "streamed" sends transfers back to back and collects the
 acknowledgements at the end (throughput, as a busy prefill worker would).
 
     python bench/kv_transfer.py [--tokens 2048] [--iters 20] [--fragmented] [--connectors zmq-tcp,shm]
@@ -85,7 +86,7 @@ def sender_main(connector: str, n_blocks: int, n_requests: int, warmup: int, fra
 
     def send(i: int) -> None:
         for layer in range(LAYOUT.num_layers):
-            tx.send_layer(address, f"req-{i}", layer, cache, None, src, dest)
+            tx.send_layer(address, f"req-{i}", layer, cache, None, src, dest, borrow=True)  # as P's last chunk
 
     # The reference copy runs here, between transfers: this VM's memory bandwidth drifts by 2x within
     # minutes, so a memcpy timed in another process at another moment makes a noisy denominator.

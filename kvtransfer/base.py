@@ -233,8 +233,12 @@ class KVSender(ABC):
         kv_scale: torch.Tensor | None,
         src_block_ids: list[int],
         dest_block_ids: list[int],
+        borrow: bool = False,
     ) -> None:
-        """Non-blocking: packs now (P may reuse its blocks on return), transmits in the background."""
+        """Non-blocking: packs now (P may reuse its blocks on return), transmits in the background.
+        `borrow=True` promises that the `src` blocks stay unchanged until this request's finish
+        Future resolves or it is cancelled: a connector may then send straight from them (zmq, CPU
+        caches) instead of copying them out first."""
 
     @abstractmethod
     def finish_async(self, request_id: str, address: str | None = None,

@@ -64,6 +64,14 @@ def scatter(ops: KernelOps, cache: torch.Tensor, ids: list[int], packed: torch.T
     ops.scatter_blocks(cache, _index(ids, cache.device), packed.to(cache.device))
 
 
+def scatter_parts(ops: KernelOps, cache: torch.Tensor, ids: list[int], parts: list[torch.Tensor]) -> None:
+    """Write packed runs (their blocks in `ids` order, one after another) into cache[ids]."""
+    start = 0
+    for part in parts:
+        scatter(ops, cache, ids[start:start + part.shape[0]], part)
+        start += part.shape[0]
+
+
 def copy_blocks(
     ops: KernelOps, dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int],
     staging: torch.Tensor | None = None,

@@ -21,8 +21,8 @@ class Arrival:
 
     peer: bytes
     header: KVHeader
-    data: torch.Tensor | None  # packed [n, 2, bs, H, D]; None when the sender wrote D's memory itself
-    scale: torch.Tensor | None
+    data: list[torch.Tensor] | None  # packed runs [k, 2, bs, H, D] in dest order; None: the sender wrote D's memory
+    scale: list[torch.Tensor] | None  # the same runs' scales (int8/fp8)
     t_ns: int
     error: str | None = None  # e.g. checksum mismatch: the request fails
 

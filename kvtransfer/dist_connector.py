@@ -136,7 +136,7 @@ class DistReceiver(BaseReceiver):
             if header.checksum is not None and wire.payload_crc(
                     data.cpu(), None if scale is None else scale.cpu()) != header.checksum:
                 error = "checksum mismatch"
-            self._inbox.put(Arrival(peer, header, data, scale, t_ns, error))
+            self._inbox.put(Arrival(peer, header, [data], None if scale is None else [scale], t_ns, error))
 
     def _fail_peer(self, peer: bytes, reason: str) -> None:
         log.warning("kv_pair_failed", reason=reason)
@@ -175,7 +175,7 @@ class DistSender(BaseSender):
         return _Group(group, store)
 
     def _pack(self, state: _Group, request_id: str, layer: int, kv_cache: torch.Tensor,
-              kv_scale: torch.Tensor | None, src: list[int], dest: list[int]) -> Outgoing:
+              kv_scale: torch.Tensor | None, src: list[int], dest: list[int], borrow: bool) -> Outgoing:
         n = len(src)
         buf = torch.empty(n * (self.layout.block_nbytes + self.layout.scale_block_nbytes), dtype=torch.uint8,
                           device=kv_cache.device)

@@ -30,7 +30,7 @@ import zmq
 from kernels import get_ops
 from kvtransfer import wire
 from kvtransfer.base import CacheLayout, KVReceiver, LayerReceived, TransferDone, TransferEvent, TransferFailed
-from kvtransfer.blocks import scatter
+from kvtransfer.blocks import scatter_parts
 from kvtransfer.common import (
     Arrival,
     Control,
@@ -215,9 +215,9 @@ class BaseReceiver(ReceiverIO, KVReceiver):
             self._retire(h.request_id, f"layer {h.layer}: {a.error}", fence=True)
             return
         if a.data is not None:
-            scatter(self.ops, self.kv_caches[h.layer], h.dest_block_ids, a.data)
+            scatter_parts(self.ops, self.kv_caches[h.layer], h.dest_block_ids, a.data)
             if a.scale is not None and self.kv_scales is not None:
-                scatter(self.ops, self.kv_scales[h.layer], h.dest_block_ids, a.scale)
+                scatter_parts(self.ops, self.kv_scales[h.layer], h.dest_block_ids, a.scale)
         req.messages += 1
         req.nbytes += h.nbytes
         req.covered[h.layer].update(h.dest_block_ids)

@@ -1,7 +1,8 @@
 """BaseSender: the prefill-side machinery every connector shares.
 
 The caller's thread packs (send_layer copies the blocks out of P's cache before returning, so P may
-reuse them at once) and, for zmq and shm, sends them itself on a per-receiver data socket; a daemon
+reuse them at once; with `borrow=True` zmq sends straight from them instead) and, for zmq and shm,
+sends them itself on a per-receiver data socket; a daemon
 I/O thread (sender_io.py) owns the control socket per receiver: handshakes, done_ack, cancel from
 the receiver, and (torch_dist) the transmissions that block.
 
@@ -73,6 +74,7 @@ class BaseSender(SenderIO, KVSender):
         self._requests: dict[str, _Request] = {}
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._finishing: dict[str, Future] = {}
+        self._finishing_to: dict[str, str] = {}  # request id -> its receiver, while finishing
         self._connected: dict[str, Any] = {}  # address -> connector state, caller-thread side
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._links: dict[str, Link] = {}  # I/O thread only
@@ -89,7 +91,8 @@ class BaseSender(SenderIO, KVSender):
         return None
 
     def _pack(self, state: Any, request_id: str, layer: int, kv_cache: torch.Tensor, kv_scale: torch.Tensor | None,
-              src: list[int], dest: list[int]) -> Outgoing:
+              src: list[int], dest: list[int], borrow: bool) -> Outgoing:
+        """`borrow`: the blocks stay unchanged until the request's finish resolves (send_layer)."""
         raise NotImplementedError
 
     def _transmit(self, link: Link, item: Outgoing) -> bool:
@@ -139,7 +142,8 @@ class BaseSender(SenderIO, KVSender):
         self._command("ready", address, state)
 
     def send_layer(self, address: str, request_id: str, layer: int, kv_cache: torch.Tensor,
-                   kv_scale: torch.Tensor | None, src_block_ids: list[int], dest_block_ids: list[int]) -> None:
+                   kv_scale: torch.Tensor | None, src_block_ids: list[int], dest_block_ids: list[int],
+                   borrow: bool = False) -> None:
         if address not in self._connected:
             raise ValueError(f"not connected to {address!r}: call connect() first")
         check_request_id(request_id)
@@ -158,7 +162,7 @@ class BaseSender(SenderIO, KVSender):
             if req.address != address:
                 raise ValueError(f"request {request_id!r} already goes to {req.address}, not {address}")
             conn = self._connected[address]
-            item = self._pack(conn.state, request_id, layer, kv_cache, kv_scale, src, dest)
+            item = self._pack(conn.state, request_id, layer, kv_cache, kv_scale, src, dest, borrow)
             req.messages += 1
             req.nbytes += item.nbytes
             self._send(conn, address, item)
@@ -188,6 +192,7 @@ class BaseSender(SenderIO, KVSender):
                                  "pass the receiver's address (after connect()) to finish a request with no blocks")
             self._requests.pop(request_id, None)
             self._finishing[request_id] = fut
+            self._finishing_to[request_id] = req.address
             fut.add_done_callback(lambda _: self._forget_finishing(request_id, fut))
             done = wire.encode("done", request_id=request_id, messages=req.messages, bytes=req.nbytes,
                                result=result or {})
@@ -205,6 +210,7 @@ class BaseSender(SenderIO, KVSender):
         with self._lock:
             if self._finishing.get(request_id) is fut:
                 del self._finishing[request_id]
+                self._finishing_to.pop(request_id, None)
 
     def cancel(self, request_id: str) -> None:
         with self._lock:
@@ -218,9 +224,13 @@ class BaseSender(SenderIO, KVSender):
 
     def disconnect(self, address: str) -> None:
         """Forget a receiver (it restarted at the same address): the next connect() handshakes anew.
-        Transfers still in flight to it fail."""
+        Transfers still in flight to it fail, and their finish Futures resolve to False."""
         with self._lock:
             conn = self._connected.pop(address, None)
+            for rid in [r for r, to in self._finishing_to.items() if to == address]:
+                fut = self._finishing.get(rid)
+                if fut is not None and not fut.done():
+                    fut.set_result(False)
         if conn is not None:
             self._close_state(conn.state)
             if conn.data is not None:

@@ -199,7 +199,7 @@ class ShmSender(BaseSender):
         return _Mapped(buffer, caches, scales)
 
     def _pack(self, state: _Mapped, request_id: str, layer: int, kv_cache: torch.Tensor,
-              kv_scale: torch.Tensor | None, src: list[int], dest: list[int]) -> Outgoing:
+              kv_scale: torch.Tensor | None, src: list[int], dest: list[int], borrow: bool) -> Outgoing:
         num_blocks = state.caches[layer].shape[0]
         if max(dest) >= num_blocks:
             raise ValueError(f"dest_block_ids {max(dest)} out of range: the receiver has {num_blocks} blocks")

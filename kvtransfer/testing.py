@@ -112,12 +112,14 @@ class _Worker:
         return {}
 
     def send(self, name: str, address: str, rid: str, src: list[int], dest: list[int],
-             layers: list[int] | None = None, delay_s: float = 0.0, background: bool = False) -> dict:
+             layers: list[int] | None = None, delay_s: float = 0.0, background: bool = False,
+             borrow: bool = False) -> dict:
         tx, caches, scales = self.objs[name]
 
         def run() -> None:
             for layer in layers if layers is not None else range(len(caches)):
-                tx.send_layer(address, rid, layer, caches[layer], None if scales is None else scales[layer], src, dest)
+                tx.send_layer(address, rid, layer, caches[layer], None if scales is None else scales[layer], src, dest,
+                              borrow=borrow)
                 time.sleep(delay_s)
         if background:
             threading.Thread(target=run, daemon=True).start()

@@ -10,17 +10,24 @@ Worker half only (a prefill engine computes every prompt itself):
 - `request_finished`: the first token is sampled (its logprobs recorded): `done` follows the last
   layer on the same link, carrying the first token, so D has the KV and the token at once. D's ack is
   not awaited. An aborted request is cancelled instead.
+
+Scheduler half: the step that computes a prompt's last tokens also samples its first token and
+finishes it, so nothing can preempt it between that step's sends and its end. Those sends lend the
+sender the blocks (`borrow=True`: zmq sends them without copying them out), and `hold_blocks` keeps
+them allocated until D acknowledges the transfer (or it fails); `poll` releases them. Earlier chunks'
+sends are copied: a request can be preempted between chunks, and its blocks reused.
 """
 
 from __future__ import annotations
 
+import queue
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import structlog
 
 from kvtransfer import KVSender
-from tandem.engine.kv_connector import KVConnector
+from tandem.engine.kv_connector import KVConnector, KVUpdates
 from tandem.engine.request import Request
 
 if TYPE_CHECKING:
@@ -39,6 +46,7 @@ class Outbound:
     send_from_block: int
     dest_block_ids: list[int]
     sent: list[int]  # per layer: blocks [send_from_block, sent[layer]) already pushed
+    lent: bool = False  # some were sent with borrow=True: hold the blocks until D acknowledges
 
 
 class PrefillKVConnector(KVConnector):
@@ -50,6 +58,8 @@ class PrefillKVConnector(KVConnector):
         self.trace = trace or (lambda *a: None)
         self.outbound: dict[str, Outbound] = {}
         self.completed = 0
+        self.held: set[str] = set()  # finished requests whose blocks the sender still reads
+        self._released: queue.SimpleQueue[str] = queue.SimpleQueue()  # filled by finish callbacks (I/O thread)
 
     def expect_push(self, rid: str, dest: str, send_from: int, dest_block_ids: list[int]) -> None:
         first = send_from // self.block_size
@@ -78,24 +88,51 @@ class PrefillKVConnector(KVConnector):
             src = req.block_ids[first:ready]
             dest = job.dest_block_ids[first - job.send_from_block: ready - job.send_from_block]
             scales = kv_scales[layer] if kv_scales is not None else None
-            self.sender.send_layer(job.dest, req.request_id, layer, kv_caches[layer], scales, src, dest)
+            last_chunk = done_tokens >= req.num_tokens
+            self.sender.send_layer(job.dest, req.request_id, layer, kv_caches[layer], scales, src, dest,
+                                   borrow=last_chunk)
+            job.lent |= last_chunk
             job.sent[layer] = ready
             if layer == 0:
                 self.trace(req.request_id, "first_layer_sent_ns")
-            if last_layer and done_tokens >= req.num_tokens:
+            if last_layer and last_chunk:
                 self.trace(req.request_id, "last_layer_computed_ns")
 
+    def hold_blocks(self, req: Request) -> bool:
+        """Asked as the request finishes, before `request_finished`. A cancelled or aborted one is
+        freed at once: whatever the sender still reads from its blocks, D drops (it is not expected)."""
+        job = self.outbound.get(req.request_id)
+        if job is None or not job.lent or req.finish_reason == "abort" or not req.output_token_ids:
+            return False
+        self.held.add(req.request_id)
+        return True
+
+    def poll(self) -> KVUpdates:
+        released = []
+        while not self._released.empty():
+            rid = self._released.get_nowait()
+            self.held.discard(rid)
+            released.append(rid)
+        return KVUpdates(released=released)
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.held)
+
     def request_finished(self, req: Request) -> None:
-        job = self.outbound.pop(req.request_id, None)
+        rid = req.request_id
+        job = self.outbound.pop(rid, None)
         if job is None:
             return
         if req.finish_reason == "abort" or not req.output_token_ids:
-            self.sender.cancel(req.request_id)
+            self.sender.cancel(rid)
             return
         result: dict[str, Any] = {"first_token": req.output_token_ids[0]}
         if req.logprobs:  # the first token's logprobs, as [[token_id, logprob], ...]
             result["logprobs"] = [[t, lp] for t, lp in req.logprobs[0].items()]
-        self.sender.finish_async(req.request_id, job.dest, result)
+        fut = self.sender.finish_async(rid, job.dest, result)
+        if rid in self.held:  # D's answer (or the transfer's failure) means nothing reads the blocks now
+            fut.add_done_callback(lambda _: self._released.put(rid))
         self.completed += 1
         self.trace(req.request_id, "done_ns")
         log.info("prefill finished", request_id=req.request_id, dest=job.dest, blocks=len(job.dest_block_ids))

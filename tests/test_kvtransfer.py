@@ -51,10 +51,10 @@ class Rig:
         self._n += 1
         return f"req-{self._n}"
 
-    def transfer(self, key: str, src: list[int], dest: list[int]) -> tuple[str, list[dict], bool]:
+    def transfer(self, key: str, src: list[int], dest: list[int], borrow: bool = False) -> tuple[str, list[dict], bool]:
         rid = self.rid()
         self.d("expect", name=key, rid=rid, dest=dest)
-        self.p("send", name=key, address=self.addr[key], rid=rid, src=src, dest=dest)
+        self.p("send", name=key, address=self.addr[key], rid=rid, src=src, dest=dest, borrow=borrow)
         ok = self.p("finish", name=key, rid=rid, timeout_s=20)["ok"]
         return rid, self.d("wait", name=key, rids=[rid], timeout_s=10)["events"], ok
 
@@ -76,8 +76,9 @@ def test_transfer_is_exact_with_ordered_layer_events(rig: Rig, key: str) -> None
     scattered = random.Random(3)  # more runs than blocks.MAX_SLICE_RUNS: the kernels' gather/scatter path
     cases = [([0, 1, 2, 3], [10, 11, 12, 13]), ([31, 5, 17, 2, 9], [40, 3, 63, 22, 7]), ([6], [0]),
              (scattered.sample(range(P_BLOCKS), 12), scattered.sample(range(D_BLOCKS), 12))]
-    for src, dest in cases:
-        rid, events, ok = rig.transfer(key, src, dest)
+    # borrow: zmq sends P's runs of blocks in place, one frame per run (int8: checksummed, scale frames)
+    for (src, dest), borrow in [(case, borrow) for case in cases for borrow in (False, True)]:
+        rid, events, ok = rig.transfer(key, src, dest, borrow)
         assert ok
         assert [e["layer"] for e in events if e["type"] == "LayerReceived"] == list(range(FP32.num_layers))
         layout = LAYOUTS[key]

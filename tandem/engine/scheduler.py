@@ -205,14 +205,13 @@ class Scheduler:
             return
         if reason is not None:
             req.finish_reason = reason
-        hold = False
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         else:
             self.remote.pop(req.request_id, None)
-            hold = self.connector.hold_blocks(req)  # a peer may still be writing into its blocks
+        hold = self.connector.hold_blocks(req)  # a peer may still write (or read) its blocks
         req.status = RequestStatus.FINISHED
         if hold:
             self.held[req.request_id] = req
