@@ -73,7 +73,7 @@ class PrefillWorker:
 
     def run_once(self) -> None:
         busy = self.engine.has_runnable()
-        self.server.sock.poll(0 if busy else (2 if self._awaiting else 20))
+        self.server.sock.poll(0 if busy else (2 if self._awaiting or self.kv.has_pending else 20))
         for identity, msg in self.server.receive():
             with request_context(msg.get("id")):  # the request id on every log line
                 try:
@@ -82,7 +82,7 @@ class PrefillWorker:
                     self.counters["errors"] += 1
                     log.exception("message handling failed", error=str(exc))
         self._admit_handshaken()
-        if self.engine.has_runnable():
+        if self.engine.has_runnable() or self.kv.has_pending:  # a step's poll frees the blocks D acknowledged
             t0 = time.monotonic()
             outs = self.engine.step()
             self.obs.step_done(self.engine.current_schedule, t0, outs)
@@ -175,7 +175,9 @@ class PrefillWorker:
     def release_role(self) -> None:
         """Close what only the prefill role uses (the KV sender); the engine and control socket stay."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self.sender.close()
+        self.sender.close()  # resolves every unfinished transfer: nothing reads the lent blocks any more
+        for rid in self.kv.poll().released:  # the next role's connector would never release them
+            self.engine.scheduler.release(rid)
 
     def close(self) -> None:
         self.release_role()

@@ -91,7 +91,9 @@ def test_lent_blocks_are_held_until_d_acknowledges(tmp_path, chunk) -> None:
         rx.close()
 
 
-def test_disconnect_fails_the_transfer_and_releases_the_lent_blocks(tmp_path) -> None:
+@pytest.mark.parametrize("end", ["disconnect", "close"])
+def test_a_lost_receiver_fails_the_transfer_and_releases_the_lent_blocks(tmp_path, end) -> None:
+    """disconnect: D restarted at the same address; close: the worker gives up the prefill role."""
     p, d, rx, tx, conn = _p_and_d(tmp_path)
     try:
         free_before = p.kv.pool.num_free
@@ -100,7 +102,7 @@ def test_disconnect_fails_the_transfer_and_releases_the_lent_blocks(tmp_path) ->
         while p.has_runnable():
             p.step()
         assert rid in p.scheduler.held
-        tx.disconnect(rx.address)  # what a prefill worker does when D restarts at the same address
+        tx.disconnect(rx.address) if end == "disconnect" else tx.close()
         p.step()
         assert rid not in p.scheduler.held and p.kv.pool.num_free == free_before
         assert tx.stats.failures == 1
