@@ -222,7 +222,10 @@ class OpenAIApp:
             lp = format_logprobs(chunk, self.model, chat, offsets[i])
             if lp is not None:
                 offsets[i] += _text_length(lp)
-            if chunk.text or lp is not None:
+            # A chunk per step that made tokens, even when their text is still empty (held back for a stop
+            # string, an incomplete UTF-8 character, a special token): as vLLM does, so a client's first
+            # chunk marks the first token (TTFT) and every step shows as an inter-token gap.
+            if chunk.text or lp is not None or (chunk.token_ids and not parsed.drop_output):
                 await _sse(response, stream_chunk(rid, chat, name, chunk.text, None, lp, include_usage=include_usage,
                                                   index=i))
             if chunk.finished:
