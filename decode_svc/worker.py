@@ -175,6 +175,7 @@ class DecodeWorker:
         if out.finished:
             del self.clients[out.request_id]
             self._trace(out.request_id, "finished_ns")
+        self._trace(out.request_id, "first_output_ns")  # kept once: when its first token left for the router
         fields = dict(id=out.request_id, token_ids=out.new_token_ids, text=out.text_delta, finished=out.finished,
                       finish_reason=out.finish_reason, num_cached_tokens=out.num_cached_tokens,
                       num_prompt_tokens=len(out.prompt_token_ids))
