@@ -15,12 +15,16 @@ Scheduler half: the step that computes a prompt's last tokens also samples its f
 finishes it, so nothing can preempt it between that step's sends and its end. Those sends lend the
 sender the blocks (`borrow=True`: zmq sends them without copying them out), and `hold_blocks` keeps
 them allocated until D acknowledges the transfer (or it fails); `poll` releases them. Earlier chunks'
-sends are copied: a request can be preempted between chunks, and its blocks reused.
+sends are copied: a request can be preempted between chunks, and its blocks reused. A D that never
+answers (dead, not coming back) must not keep them: after `hold_timeout_s` the connector gives the
+receiver up (`on_stuck(dest)`, by default the sender's `disconnect`: ZMQ drops what it still queues for
+it and its unfinished transfers fail), which frees them.
 """
 
 from __future__ import annotations
 
 import queue
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -50,15 +54,19 @@ class Outbound:
 
 
 class PrefillKVConnector(KVConnector):
+    HOLD_TIMEOUT_S = 60.0  # a live D acknowledges within a step; one silent this long is given up
+
     def __init__(self, sender: KVSender, block_size: int, num_layers: int,
-                 trace: Callable[..., None] | None = None) -> None:
+                 trace: Callable[..., None] | None = None, on_stuck: Callable[[str], None] | None = None) -> None:
         self.sender = sender
         self.block_size = block_size
         self.num_layers = num_layers  # cache layers: the layout's, hidden-state layers included
         self.trace = trace or (lambda *a: None)
         self.outbound: dict[str, Outbound] = {}
         self.completed = 0
-        self.held: set[str] = set()  # finished requests whose blocks the sender still reads
+        self.held: dict[str, tuple[str, float]] = {}  # finished, blocks lent: rid -> (D, give-up time)
+        self.on_stuck = on_stuck or sender.disconnect
+        self.hold_timeout_s = self.HOLD_TIMEOUT_S
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()  # filled by finish callbacks (I/O thread)
 
     def expect_push(self, rid: str, dest: str, send_from: int, dest_block_ids: list[int]) -> None:
@@ -104,15 +112,24 @@ class PrefillKVConnector(KVConnector):
         job = self.outbound.get(req.request_id)
         if job is None or not job.lent or req.finish_reason == "abort" or not req.output_token_ids:
             return False
-        self.held.add(req.request_id)
+        self.held[req.request_id] = (job.dest, time.monotonic() + self.hold_timeout_s)
         return True
 
     def poll(self) -> KVUpdates:
-        released = []
+        released: list[str] = []
+        now = time.monotonic()
+        stuck = {dest for dest, give_up in self.held.values() if now > give_up}
+        for dest in stuck:
+            log.warning("decode worker never acknowledged lent KV blocks: giving it up", dest=dest,
+                        held=sum(d == dest for d, _ in self.held.values()), timeout_s=self.hold_timeout_s)
+            self.on_stuck(dest)  # nothing is sent to it any more: every block lent to it is free to go
+            released += [rid for rid, (d, _) in self.held.items() if d == dest]
+        for rid in released:
+            del self.held[rid]
         while not self._released.empty():
             rid = self._released.get_nowait()
-            self.held.discard(rid)
-            released.append(rid)
+            if self.held.pop(rid, None) is not None:
+                released.append(rid)
         return KVUpdates(released=released)
 
     @property

@@ -51,7 +51,8 @@ class PrefillWorker:
         self._stopped = False
         self.registrar = registrar  # tandem.protocol.registration.Registrar, or None when not registered
         self.obs = NO_METRICS  # WorkerMetrics (step/queue timings), set by the CLI
-        self.kv = PrefillKVConnector(sender, engine.config.block_size, engine.kv_layout.num_layers, self._trace)
+        self.kv = PrefillKVConnector(sender, engine.config.block_size, engine.kv_layout.num_layers, self._trace,
+                                     on_stuck=self._give_up)
         engine.set_kv_connector(self.kv)
 
     @property
@@ -171,6 +172,11 @@ class PrefillWorker:
         st = self.sender.stats
         out.update(kv_bytes_sent=st.bytes_sent, kv_transfers=st.transfers, kv_transfer_failures=st.failures)
         return out
+
+    def _give_up(self, dest: str) -> None:
+        """D never acknowledged lent blocks: drop the link (the next prefill for it handshakes anew)."""
+        self._handshakes.pop(dest, None)
+        self.sender.disconnect(dest)
 
     def release_role(self) -> None:
         """Close what only the prefill role uses (the KV sender); the engine and control socket stay."""

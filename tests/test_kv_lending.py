@@ -138,3 +138,26 @@ def test_borrowed_runs_and_frame_splits() -> None:
                 rx._on_kv(b"x", peer, header, bad, 0)
     finally:
         rx.close()
+
+
+def test_a_silent_receiver_is_given_up_after_the_hold_timeout(tmp_path) -> None:
+    """D died and never comes back: its in-flight transfers' lent blocks must not stay held for ever."""
+    p, d, rx, tx, conn = _p_and_d(tmp_path)
+    try:
+        free_before = p.kv.pool.num_free
+        conn.hold_timeout_s = 0.3
+        address = rx.address
+        rx.close()
+        rid = _prefill(p, conn, rx, list(range(3, 15)), [10, 11])
+        while p.has_runnable():
+            p.step()
+        p.step()
+        assert rid in p.scheduler.held  # not yet: a live D acknowledges within a step or so
+        time.sleep(0.4)
+        p.step()
+        assert rid not in p.scheduler.held and p.kv.pool.num_free == free_before
+        assert tx.stats.failures == 1
+        with pytest.raises(ValueError, match="not connected"):  # given up: the next prefill handshakes anew
+            tx.send_layer(address, "next", 0, p.runner.kv_caches[0], None, [0], [0])
+    finally:
+        tx.close()
