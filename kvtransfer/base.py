@@ -224,17 +224,9 @@ class KVSender(ABC):
         """Forget a receiver that restarted at the same address; the next connect() handshakes anew."""
 
     @abstractmethod
-    def send_layer(
-        self,
-        address: str,
-        request_id: str,
-        layer: int,
-        kv_cache: torch.Tensor,
-        kv_scale: torch.Tensor | None,
-        src_block_ids: list[int],
-        dest_block_ids: list[int],
-        borrow: bool = False,
-    ) -> None:
+    def send_layer(self, address: str, request_id: str, layer: int, kv_cache: torch.Tensor,
+                   kv_scale: torch.Tensor | None, src_block_ids: list[int], dest_block_ids: list[int],
+                   borrow: bool = False) -> None:
         """Non-blocking: packs now (P may reuse its blocks on return), transmits in the background.
         `borrow=True` promises that the `src` blocks stay unchanged until this request's finish
         Future resolves or it is cancelled: a connector may then send straight from them (zmq, CPU

@@ -97,8 +97,14 @@ class PrefillKVConnector(KVConnector):
             dest = job.dest_block_ids[first - job.send_from_block: ready - job.send_from_block]
             scales = kv_scales[layer] if kv_scales is not None else None
             last_chunk = done_tokens >= req.num_tokens
-            self.sender.send_layer(job.dest, req.request_id, layer, kv_caches[layer], scales, src, dest,
-                                   borrow=last_chunk)
+            try:
+                self.sender.send_layer(job.dest, req.request_id, layer, kv_caches[layer], scales, src, dest,
+                                       borrow=last_chunk)
+            except ValueError as exc:  # D was given up (or restarted) while this request queued here
+                log.warning("KV push dropped: its decode worker is gone", request_id=req.request_id, dest=job.dest,
+                            error=str(exc))
+                del self.outbound[req.request_id]  # D recomputes it if it still waits: never wrong
+                continue
             job.lent |= last_chunk
             job.sent[layer] = ready
             if layer == 0:

@@ -159,5 +159,11 @@ def test_a_silent_receiver_is_given_up_after_the_hold_timeout(tmp_path) -> None:
         assert tx.stats.failures == 1
         with pytest.raises(ValueError, match="not connected"):  # given up: the next prefill handshakes anew
             tx.send_layer(address, "next", 0, p.runner.kv_caches[0], None, [0], [0])
+        late = _prefill(p, conn, rx, list(range(3, 15)), [10, 11])  # queued for D before it was given up
+        outs = []
+        while p.has_runnable():
+            outs += p.step()  # the push is dropped (logged); the engine keeps serving
+        assert [o.request_id for o in outs if o.finished] == [late] and late not in conn.outbound
+        assert late not in p.scheduler.held and p.kv.pool.num_free == free_before
     finally:
         tx.close()

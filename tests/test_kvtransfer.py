@@ -76,8 +76,7 @@ def test_transfer_is_exact_with_ordered_layer_events(rig: Rig, key: str) -> None
     scattered = random.Random(3)  # more runs than blocks.MAX_SLICE_RUNS: the kernels' gather/scatter path
     cases = [([0, 1, 2, 3], [10, 11, 12, 13]), ([31, 5, 17, 2, 9], [40, 3, 63, 22, 7]), ([6], [0]),
              (scattered.sample(range(P_BLOCKS), 12), scattered.sample(range(D_BLOCKS), 12))]
-    # borrow: zmq sends P's runs of blocks in place, one frame per run (int8: checksummed, scale frames)
-    for (src, dest), borrow in [(case, borrow) for case in cases for borrow in (False, True)]:
+    for (src, dest), borrow in [(c, b) for c in cases for b in (False, True)]:  # borrow: zmq frames per run
         rid, events, ok = rig.transfer(key, src, dest, borrow)
         assert ok
         assert [e["layer"] for e in events if e["type"] == "LayerReceived"] == list(range(FP32.num_layers))
