@@ -30,6 +30,7 @@ import torch
 
 from kernels import get_ops
 from plugins.draft_model import own_cache, paged_metadata, sample_drafts
+from plugins.eagle_fused import FusedDrafter
 from tandem.engine.model_runner import MAX_DECODE_QUERY_LEN
 from tandem.engine.request import Request
 from tandem.models.config import ModelConfig
@@ -71,6 +72,9 @@ class EagleRunner:
         self.num_cache_reads = 0  # catch-ups whose target states were read from the cache (see module doc)
         self.num_recomputes = 0  # catch-ups whose target states had to be recomputed (see module doc)
         self.max_held_states = MAX_HELD_STATES
+        # Greedy passes 2..k in one C call where it applies; None: always the Python passes (tests compare).
+        self.fused: FusedDrafter | None = FusedDrafter(self.head, self.embed, target.model.lm_head, self.vocab_size,
+                                                       self.kv_caches, block_size)
 
     def release(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -109,11 +113,22 @@ class EagleRunner:
         # Equal short catch-ups (always so at batch 1) attend from the cache like the target's verification
         # rows do: the decode path is cheaper than the varlen prefill one.
         lens = {len(toks) for _, toks, _, _ in feed}
-        state = self._forward(feed, decode=len(lens) == 1 and lens.pop() <= MAX_DECODE_QUERY_LEN)
-        sample_drafts(batch, self.target.model.compute_logits(state), tokens, probs, self.vocab_size, self.generator)
-        last = {r.request_id: state[i:i + 1] for i, (r, _) in enumerate(batch)}
+        decode = len(lens) == 1 and lens.pop() <= MAX_DECODE_QUERY_LEN
+        passes = max(k for _, k in batch)
+        # Greedy requests drafting alike: every pass in C where it applies (plugins/eagle_fused.py).
+        fused = self.fused is not None and all(r.params.greedy and k == passes for r, k in batch)
+        if fused and decode and self._fused_passes(batch, feed, tokens, passes):
+            passes = 0
+        state = self._forward(feed, decode) if passes else None
+        if state is not None:
+            sample_drafts(batch, self.target.model.compute_logits(state), tokens, probs, self.vocab_size,
+                          self.generator)
+            feed = [(r, tokens[r.request_id][-1:], state[i:i + 1], r.num_tokens - 1) for i, (r, _) in enumerate(batch)]
+            if fused and passes > 1 and self._fused_passes(batch, feed, tokens, passes - 1):
+                passes = 1
         # Passes 2..k: the previous draft token with the head's own prediction of the state before it.
-        for step in range(1, max(k for _, k in batch)):
+        last = {r.request_id: f for r, _, f, _ in feed}
+        for step in range(1, passes):
             live = [(r, k) for r, k in batch if k > step]
             feed = [(r, tokens[r.request_id][-1:], last[r.request_id], r.num_tokens - 2 + step) for r, _ in live]
             state = self._forward(feed, decode=True)
@@ -128,6 +143,18 @@ class EagleRunner:
                 seq.features = seq.features[n - 2 - seq.feat_start:n - 1 - seq.feat_start]
                 seq.feat_start = n - 2
         return tokens, {rid: torch.stack(rows) for rid, rows in probs.items()}
+
+    def _fused_passes(self, batch: list[tuple[Request, int]], feed: list, tokens: dict[str, list[int]],
+                      steps: int) -> bool:
+        """Run `steps` greedy passes from feed (as _forward takes it, equal lengths) in one C call and append
+        their drafts; False (nothing appended) where the C loop does not apply."""
+        assert self.fused is not None
+        drafted = self.fused.draft([t for _, toks, _, _ in feed for t in toks], torch.cat([f for _, _, f, _ in feed]),
+                                   [start for _, _, _, start in feed],
+                                   [self.seqs[r.request_id].block_ids for r, _ in batch], steps)
+        for (r, _), more in zip(batch, drafted or ()):
+            tokens[r.request_id].extend(more)
+        return drafted is not None
 
     def _prepare(self, req: Request, k: int, wanted: set[str]) -> bool:
         """Apply the catch-up rule to req's head state and reserve slots for this proposal."""

@@ -11,13 +11,10 @@
  * The caller (tandem/layers/fused_decode.py) checks that the layer and the step qualify (fp32 cache
  * without scales, no q/k norms, no per-layer hook, block tables already checked) and falls back to the
  * module path otherwise. */
-#include <stdint.h>
 #include <string.h>
 
-int tandem_linear_bf16w_f32(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M, int64_t N,
-                            int64_t K, int num_threads);
-int tandem_linear_f32w_f32(const float *x, const float *w, const float *bias, float *y, int64_t M, int64_t N,
-                           int64_t K, int num_threads);
+#include "decode_layer.h"
+
 void tandem_add_rms_norm_f32(const float *x, const float *delta, float *residual_out, const float *weight,
                              float *out, int64_t rows, int64_t hidden, float eps, int num_threads);
 void tandem_silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter, int num_threads);
@@ -26,29 +23,6 @@ void tandem_rope_f32(float *x, int64_t row_stride, const float *cos, const float
 int tandem_paged_decode_f32(const float *query, const float *cache, const int32_t *block_tables,
                             int64_t table_stride, const int32_t *seq_lens, float *out, int B, int Q, int H,
                             int Hkv, int D, int BS, float scale, int window, int num_threads);
-
-/* A linear's plan, as tandem.layers.linear.Linear makes it for its own small-batch calls. */
-typedef struct {
-    const void *weight; /* [out, in]: bf16 bits when bf16 != 0, else fp32 */
-    const float *bias;  /* NULL: none */
-    int64_t out_features, in_features;
-    int64_t bf16;
-} tandem_linear_t;
-
-typedef struct {
-    tandem_linear_t qkv, o, gate_up, down;
-    const float *input_norm; /* NULL: no input norm (an EAGLE head's first layer) */
-    const float *post_norm;
-    float input_eps, post_eps, scale;
-    int32_t heads, kv_heads, head_dim, window; /* window 0: full attention */
-} tandem_layer_t;
-
-static int run_linear(const tandem_linear_t *l, const float *x, float *y, int64_t rows, int num_threads) {
-    return l->bf16 ? tandem_linear_bf16w_f32(x, l->weight, l->bias, y, rows, l->out_features, l->in_features,
-                                             num_threads)
-                   : tandem_linear_f32w_f32(x, l->weight, l->bias, y, rows, l->out_features, l->in_features,
-                                            num_threads);
-}
 
 /* Floats of scratch a call with T rows needs. */
 int64_t tandem_decode_layer_scratch(const tandem_layer_t *L, int64_t T) {
@@ -79,7 +53,7 @@ int tandem_decode_layer_f32(const tandem_layer_t *L, const float *x_in, float *x
         tandem_add_rms_norm_f32(x_in, 0, (float *)x_in, L->input_norm, h, T, hidden, L->input_eps, num_threads);
         normed = h;
     }
-    if (run_linear(&L->qkv, normed, qkv, T, num_threads)) return -1;
+    if (tandem_run_linear(&L->qkv, normed, qkv, T, num_threads)) return -1;
     tandem_rope_f32(qkv, qkv_n, cos, sin, T, H + Hkv, D, num_threads);
     for (int64_t t = 0; t < T; t++) {
         const float *row = qkv + t * qkv_n;
@@ -93,11 +67,11 @@ int tandem_decode_layer_f32(const tandem_layer_t *L, const float *x_in, float *x
     if (tandem_paged_decode_f32(q, cache, tables, table_stride, seq_lens, att, B, Q, H, Hkv, D, BS, L->scale,
                                 L->window, num_threads))
         return -3;
-    if (run_linear(&L->o, att, o, T, num_threads)) return -1;
+    if (tandem_run_linear(&L->o, att, o, T, num_threads)) return -1;
     tandem_add_rms_norm_f32(x_in, o, x_out, L->post_norm, h, T, hidden, L->post_eps, num_threads);
-    if (run_linear(&L->gate_up, h, gate_up, T, num_threads)) return -1;
+    if (tandem_run_linear(&L->gate_up, h, gate_up, T, num_threads)) return -1;
     tandem_silu_and_mul_f32(gate_up, act, T, inter, num_threads);
-    if (run_linear(&L->down, act, o, T, num_threads)) return -1;
+    if (tandem_run_linear(&L->down, act, o, T, num_threads)) return -1;
     for (int64_t i = 0; i < T * hidden; i++) x_out[i] += o[i];
     return 0;
 }

@@ -1,0 +1,88 @@
+"""EAGLE's greedy draft passes after the first, in one C call (kernels/csrc/eagle_draft_cpu.c).
+
+Each pass after the first feeds the previous pass's draft token and output state, so for greedy requests
+nothing between passes needs Python: `FusedDrafter.draft` hands the head's plans (the same C plans its
+modules run: tandem/layers/fused_decode.py, tandem/layers/linear.py) and every request's head block table to
+the C loop, which makes the same drafts and head-cache K/V as the Python passes, bitwise. It returns None
+where the loop does not apply — no native kernels or not allowed (TANDEM_KERNELS), more than MAX_ROWS
+rows, a layer or linear without a C plan, anything not fp32 on the CPU — and the caller runs the
+passes in Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import fused, native_cpu
+from tandem.layers import fused_decode
+from tandem.layers import linear as linear_mod
+
+MAX_ROWS = 16  # rows of one pass (requests x first-pass tokens), as kernels/csrc/eagle_draft_cpu.c
+
+
+class FusedDrafter:
+    """The draft loop of one EAGLE head: head (tandem.models.eagle.EagleHead), the target's embedding and
+    lm_head (shared), the head's per-layer paged caches."""
+
+    def __init__(self, head, embed: torch.nn.Embedding, lm_head, vocab_size: int, kv_caches: list[torch.Tensor],
+                 block_size: int) -> None:
+        self.head, self.embed, self.lm_head = head, embed, lm_head
+        self.vocab_size, self.kv_caches, self.block_size = vocab_size, kv_caches, block_size
+        self._planned: tuple | None = None  # (the plans it was made from, ctypes args, scratch)
+
+    def _plans(self, lib, batch: int) -> tuple | None:
+        layers = [fused_decode._layer_plan(layer) for layer in self.head.layers]
+        linears = (self.head.fc.small_batch_plan(), self.lm_head.small_batch_plan())
+        if any(p is None for p in (*layers, *linears)) or any(batch > p[2] for p in layers) or any(
+                batch > (linear_mod.SMALL_BATCH_BF16 if p[3] else linear_mod.SMALL_BATCH) for p in linears):
+            return None
+        made = self._planned
+        if made is not None and all(a is b for a, b in zip(made[0], (*layers, *linears))):
+            return made[1], made[2]
+        structs = (fused_decode._LayerPlan * len(layers))(*(p[0] for p in layers))
+        fc = fused_decode._linear_plan(self.head.fc, linears[0])
+        lm = fused_decode._linear_plan(self.lm_head, linears[1])
+        caches = (ctypes.c_void_p * len(self.kv_caches))(*(c.data_ptr() for c in self.kv_caches))
+        scratch = torch.empty(lib.tandem_eagle_draft_scratch(structs, len(layers), self.lm_head.weight.shape[0]))
+        args = (structs, fc, lm, caches)
+        self._planned = ((*layers, *linears), args, scratch)
+        return args, scratch
+
+    def _applies(self, state: torch.Tensor) -> bool:
+        attn = self.head.layers[0].self_attn
+        tensors = (state, self.embed.weight, self.head.rotary.cos, self.head.rotary.sin, *self.kv_caches)
+        return (fused.ALLOWED and linear_mod._choice != "torch" and attn.q_norm is None
+                and all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
+                and all(layer.self_attn.q_norm is None for layer in self.head.layers))
+
+    def draft(self, tokens: list[int], states: torch.Tensor, start_pos: list[int], tables: list[list[int]],
+              steps: int) -> list[list[int]] | None:
+        """`steps` greedy drafts for each of B requests: a first pass over Q = len(tokens) // B rows each (row
+        q of request b feeds tokens[b * Q + q] with states[b * Q + q] at position start_pos[b] + q), then
+        single-token passes; None where the C loop does not apply."""
+        lib = native_cpu.library()
+        batch = len(start_pos)
+        rows = len(tokens)
+        if lib is None or not 0 < batch <= rows <= MAX_ROWS or rows % batch or steps < 1 or not self._applies(states):
+            return None
+        planned = self._plans(lib, rows)
+        if planned is None:
+            return None
+        (structs, fc, lm, caches), scratch = planned
+        width = max(map(len, tables))
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        feed = torch.tensor(tokens, dtype=torch.int64)
+        start = torch.tensor(start_pos, dtype=torch.int64)
+        drafts = torch.empty((batch, steps), dtype=torch.int64)
+        rotary, embed = self.head.rotary, self.embed.weight
+        rc = lib.tandem_eagle_draft_f32(
+            structs, len(structs), ctypes.byref(fc), ctypes.byref(lm), self.vocab_size, embed.data_ptr(),
+            embed.shape[0], rotary.cos.data_ptr(), rotary.sin.data_ptr(), rotary.cos.shape[0], caches,
+            self.kv_caches[0].shape[0], self.block_size, table.data_ptr(), width, batch, rows // batch,
+            feed.data_ptr(), states.data_ptr(), start.data_ptr(), steps, drafts.data_ptr(), scratch.data_ptr(),
+            torch.get_num_threads())
+        # A refusal comes before its pass writes anything; the Python passes then redo them all (writing the
+        # earlier passes' K/V again, identically) and meet the same problem with their own error.
+        return drafts.tolist() if rc == 0 else None

@@ -1,0 +1,114 @@
+"""The EAGLE draft loop in C (plugins/eagle_fused.py, kernels/csrc/eagle_draft_cpu.c) against the Python
+passes it replaces: the same drafts, bitwise the same head-cache K/V, the same output — at batch 1 (every
+pass in C), for a batch whose catch-ups differ in length (first pass in Python, the rest in C), and on a
+random tiny checkpoint and head; and a block table outside the head's cache refused before anything is
+written."""
+
+import pytest
+import torch
+from test_eagle import heldout_code
+from test_speculative import repeating_prompts
+from tiny_models import make_checkpoint, make_eagle_head
+
+from tandem import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow  # real models: deselected by -m 'not slow'
+
+
+def run(llm: LLM, prompts: list[list[int]], fused: bool, max_tokens: int, batch: int) -> tuple:
+    """(outputs, every proposal in order, the head's K/V after each, how many C calls drafted)."""
+    runner = llm.engine.speculator.runner
+    drafter = runner.fused
+    runner.fused = drafter if fused else None
+    proposals, kv, calls = [], [], [0]
+    propose, draft = runner.propose, drafter.draft
+
+    def spy_propose(requests, ks):
+        tokens, probs = propose(requests, ks)
+        # request ids differ between runs (a counter); their order is the submission order
+        order = sorted(tokens, key=lambda rid: int(rid.rsplit("-", 1)[1]))
+        proposals.append([tokens[rid] for rid in order])
+        # the head cache's K/V of every position up to the last draft, in position order (block ids differ
+        # between runs: the block manager's free list is in another order after the first)
+        by_id = {r.request_id: r for r in requests}
+        for rid in order:
+            n, bt = by_id[rid].num_tokens + len(tokens[rid]) - 2, runner.seqs[rid].block_ids
+            bs = runner.block_size
+            kv.append([torch.stack([c[bt[p // bs], :, p % bs] for p in range(n)]) for c in runner.kv_caches])
+        return tokens, probs
+
+    def spy_draft(*args):
+        out = draft(*args)
+        calls[0] += out is not None
+        return out
+
+    runner.propose, drafter.draft = spy_propose, spy_draft
+    try:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outs = []
+        for first in range(0, len(prompts), batch):
+            outs += [o.token_ids for o in llm.generate(prompts[first:first + batch], params)]
+    finally:
+        del runner.propose
+        del drafter.draft
+        runner.fused = drafter
+    return outs, proposals, kv, calls[0]
+
+
+def check_same(llm: LLM, prompts: list[list[int]], max_tokens: int, batch: int) -> int:
+    # Once first, so that both runs below hit the prefix cache alike: a prompt's tail recomputed after a hit
+    # gives the target's hidden states (the head's input) in other bits than a whole-prompt prefill.
+    run(llm, prompts, False, max_tokens, batch)
+    outs, proposals, caches, calls = run(llm, prompts, True, max_tokens, batch)
+    ref_outs, ref_proposals, ref_caches, ref_calls = run(llm, prompts, False, max_tokens, batch)
+    assert ref_calls == 0 and outs == ref_outs
+    assert proposals == ref_proposals  # every draft of every step
+    assert len(caches) == len(ref_caches) and all(  # drafted positions' K/V included
+        torch.equal(a, b) for step, ref in zip(caches, ref_caches) for a, b in zip(step, ref))
+    return calls
+
+
+@pytest.fixture(scope="module")
+def shipped_llm():
+    llm = LLM(speculator="eagle", max_model_len=512)
+    return llm, [llm.engine.tokenize(s) for s in heldout_code()]
+
+
+def test_batch_one_drafts_every_pass_in_c_as_python_does(shipped_llm):
+    llm, prompts = shipped_llm
+    calls = check_same(llm, prompts, 48, batch=1)
+    stats = llm.engine.speculator_stats()
+    assert stats["num_accepted_tokens"] > 0 and calls >= 4 * 48 // 5  # nearly every proposal, not a fallback
+
+
+def test_batch_with_unequal_catch_ups_drafts_the_same(shipped_llm):
+    llm, prompts = shipped_llm
+    # Four requests accept different numbers of drafts, so their next catch-ups differ in length: the
+    # first pass then runs in Python (varlen) and the rest in C; max_tokens near the end trims k (Python).
+    assert check_same(llm, prompts, 30, batch=4) > 0
+
+
+def test_random_head_on_tiny_checkpoint_drafts_the_same(tmp_path):
+    path = make_checkpoint(str(tmp_path / "llama"), "llama")
+    head = make_eagle_head(str(tmp_path / "head"), path)
+    llm = LLM(path, num_kv_blocks=128, max_model_len=256, speculator="eagle", draft_model=head,
+              num_speculative_tokens=3)
+    assert check_same(llm, repeating_prompts(seed=5), 24, batch=1) > 0
+
+
+def test_block_outside_the_head_cache_is_refused_before_writing(shipped_llm):
+    llm, _ = shipped_llm
+    runner = llm.engine.speculator.runner
+    before = [c.clone() for c in runner.kv_caches]
+    hidden = runner.head.config.hidden_size
+    num_blocks = runner.kv_caches[0].shape[0]
+    states = torch.randn(2, hidden)
+    assert runner.fused.draft([5, 6], states, [0], [[0]], 3) is not None  # in range: drafts (and writes)
+    for c, b in zip(runner.kv_caches, before):
+        c.copy_(b)
+    for table, start in (([num_blocks], 0), ([-1], 0), ([0], 15)):  # bad block; position past the table
+        assert runner.fused.draft([5, 6], states, [start], [table], 3) is None
+        assert all(torch.equal(c, b) for c, b in zip(runner.kv_caches, before))
+    assert runner.fused.draft([runner.vocab_size + 7, 6], states, [0], [[0]], 3) is None  # token not embedded
+
+
