@@ -72,7 +72,7 @@ class EagleRunner:
         self.num_cache_reads = 0  # catch-ups whose target states were read from the cache (see module doc)
         self.num_recomputes = 0  # catch-ups whose target states had to be recomputed (see module doc)
         self.max_held_states = MAX_HELD_STATES
-        # Greedy passes 2..k in one C call where it applies; None: always the Python passes (tests compare).
+        # Greedy passes in one C call where it applies (propose); None: always the Python passes (tests compare).
         self.fused: FusedDrafter | None = FusedDrafter(self.head, self.embed, target.model.lm_head, self.vocab_size,
                                                        self.kv_caches, block_size)
 

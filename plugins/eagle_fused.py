@@ -1,12 +1,13 @@
-"""EAGLE's greedy draft passes after the first, in one C call (kernels/csrc/eagle_draft_cpu.c).
+"""EAGLE's greedy draft passes in one C call (kernels/csrc/eagle_draft_cpu.c).
 
 Each pass after the first feeds the previous pass's draft token and output state, so for greedy requests
-nothing between passes needs Python: `FusedDrafter.draft` hands the head's plans (the same C plans its
-modules run: tandem/layers/fused_decode.py, tandem/layers/linear.py) and every request's head block table to
-the C loop, which makes the same drafts and head-cache K/V as the Python passes, bitwise. It returns None
-where the loop does not apply — no native kernels or not allowed (TANDEM_KERNELS), more than MAX_ROWS
-rows, a layer or linear without a C plan, anything not fp32 on the CPU — and the caller runs the
-passes in Python.
+nothing between passes needs Python. The first pass (the catch-up over the accepted tokens, as many rows
+per request) runs in C too where the decode path takes it; else in Python, and the rest in C.
+`FusedDrafter.draft` hands the head's plans (the same C plans its modules run: tandem/layers/fused_decode.py,
+tandem/layers/linear.py) and every request's head block table to the C loop, which makes the same drafts
+and head-cache K/V as the Python passes, bitwise. It returns None where the loop does not apply — no native
+kernels or not allowed (TANDEM_KERNELS), more than MAX_ROWS rows, a layer or linear without a C plan,
+anything not fp32 on the CPU — and the caller runs the passes in Python.
 """
 
 from __future__ import annotations

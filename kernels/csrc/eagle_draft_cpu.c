@@ -1,13 +1,14 @@
-/* EAGLE's greedy chain drafting after its first pass, in one call from Python.
+/* EAGLE's greedy chain drafting, every pass of a proposal in one call from Python.
  *
  * Why: an EAGLE head pass at batch 1 is one small decoder layer, yet through Python it cost ~400 us on
  * the shipped model (the fused layer ~120 us; the rest is building attention metadata, the embedding
  * lookup, the concatenation, fc, the rotary lookup, the lm_head and the argmax, each a torch or ctypes
  * call): with four drafts a proposal cost more than a target step (docs/PERFORMANCE.md, "Session 16").
  * Greedy drafts need no Python between passes: each pass feeds the previous pass's token and output
- * state, so the k - 1 passes after the first run here back to back, through the very kernels the Python
- * path calls (fc and lm_head by their Linear plans, the layer by tandem_decode_layer_f32, the argmax by
- * tandem_argmax_f32), in the same order: the drafts and the head cache's K/V are bitwise the same (tested).
+ * state, so the first pass (the catch-up) and the k - 1 after it run here back to back, through the
+ * kernels the Python path calls (fc and lm_head by their Linear plans, the layer by
+ * tandem_decode_layer_f32, the argmax by tandem_argmax_f32), in the same order: the drafts and the head
+ * cache's K/V are bitwise the same (tested).
  *
  * The caller (plugins/eagle_fused.py) checks what the fused layer checks (fp32, contiguous, native ops)
  * and hands every request's head block table; this file checks each block a pass reads or writes. */
