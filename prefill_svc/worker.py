@@ -106,6 +106,10 @@ class PrefillWorker:
             self.server.reply(identity, "trace_reply", id=msg["id"], events=self.traces.get(msg["id"]))
         elif kind in ("set_role", "drain"):
             self.lifecycle = msg
+        elif kind == "decode_lost":  # the router declared that decode worker dead or hung
+            if msg["dest"] in self._handshakes:
+                log.warning("decode worker lost: dropping its KV link", dest=msg["dest"])
+                self._give_up(msg["dest"])
         else:
             # An add_request here was routed before the router saw this worker leave the decode role
             # (a role switch): nothing of it ran, so the router may send it to another decode worker.

@@ -62,6 +62,7 @@ class Worker:
     identity: bytes = b""  # its registration connection: heartbeats must come from it
     unverified_since: float | None = None  # registered, its control address has not answered yet
     kv_layout: dict[str, Any] | None = None  # its KV CacheLayout, where it transfers KV
+    kv_address: str | None = None  # a decode worker's KV receiver (prefill workers are told when it is lost)
 
     def loop_age_s(self, now: float | None = None) -> float:
         """How long ago the engine loop last came round, as of now (0 for workers that do not say)."""
@@ -153,11 +154,12 @@ class Registry:
         replaced = old if old is not None and (old.address != address or old.role != role) else None
         if old is not None and replaced is None:
             old.interval_s, old.last_seen, old.identity = msg["interval_ms"] / 1000, now, identity
+            old.kv_address = msg.get("kv_address")
             old.alive, old.hung = old.unverified_since is None, False
             return None, None
         self.workers[wid] = Worker(worker_id=wid, role=role, address=address, model=msg["model"], alive=False,
                                    interval_s=msg["interval_ms"] / 1000, identity=identity, unverified_since=now,
-                                   kv_layout=msg.get("kv_layout"))
+                                   kv_layout=msg.get("kv_layout"), kv_address=msg.get("kv_address"))
         log.info("worker registering: waiting for its control address to answer", worker_id=wid, role=role,
                  address=address, model=msg["model"])
         self._update_gauges()

@@ -165,6 +165,11 @@ class RouterService:
         self.router.on_worker_lost(worker)
         if not worker.static:
             self.links.drop(worker.address)
+        if worker.role == "decode" and worker.kv_address:
+            # Prefill workers drop their link to its receiver now, and with it the blocks lent to transfers it
+            # will never acknowledge (else held for their hold timeout: prefill_svc/kv_connector.py).
+            for p in self.registry.live("prefill"):
+                self.links.try_send(p.address, "decode_lost", dest=worker.kv_address)
 
     async def _housekeeping(self) -> None:
         assert self.links is not None

@@ -124,3 +124,45 @@ def test_prefill_worker_handshakes_again_with_a_restarted_decode_worker(tmp_path
                 wait_workers(ep["http"], decode=0, prefill=1)
     finally:
         stop_all(procs)
+
+
+def test_prefill_worker_frees_blocks_lent_to_a_lost_decode_worker(tmp_path):
+    """D stops (SIGSTOP) while its prompt waits on P, so P's push of that prompt is never acknowledged. The
+    router declares D lost after ~2 s and tells P (`decode_lost`), which drops its link to D's receiver and
+    with it the blocks lent to the transfer — within seconds, not after its 60 s hold timeout."""
+    router = start_router("router", str(TARGET_DIR), tmp_path)
+    procs = [router]
+    decode = None
+    try:
+        ep = router_endpoints(router)
+        # P's second step (the second prompt's) waits 3 s first: D is stopped meanwhile
+        prefill = start("prefill", "p", ep["listen"], tmp_path, env=step_hook_env(tmp_path / "hook", stall="2:3"))
+        decode = start("decode", "d", ep["listen"], tmp_path, "--local-prefill-threshold", "0",
+                       "--prefill-timeout", "30")
+        procs += [prefill, decode]
+        wait_workers(ep["http"], decode=1, prefill=1)
+        p_control = prefill.wait_for(r'tandem-prefill-ready \{"control": "([^"]+)"').group(1)
+        body = {"model": "tiny-target", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+        status, _, out = post(f"{ep['http']}/v1/completions", body)
+        assert status == 200, out
+        assert worker_stats(p_control)["kv_blocks_used"] == 0  # a transfer D acknowledged gives its blocks back
+        t = threading.Thread(target=lambda: post(f"{ep['http']}/v1/completions", {**body, "prompt": f"# 2\n{PROMPT}"}))
+        t.start()
+        time.sleep(1.0)  # the second prompt is on P, its step stalled
+        assert worker_stats(p_control)["kv_blocks_used"] > 0
+        decode.popen.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        used = -1
+        while time.monotonic() - stopped < 20:
+            used = worker_stats(p_control)["kv_blocks_used"]
+            if time.monotonic() - stopped > 4 and used == 0:  # past P's step (at ~2 s) and D's expiry (~2 s)
+                break
+            time.sleep(0.2)
+        elapsed = time.monotonic() - stopped
+        assert used == 0 and elapsed < 10, f"P still holds {used} blocks {elapsed:.1f}s after D stopped"
+        assert "decode worker lost: dropping its KV link" in prefill.log.read_text()
+        t.join(30)
+    finally:
+        if decode is not None:
+            decode.popen.send_signal(signal.SIGCONT)
+        stop_all(procs)

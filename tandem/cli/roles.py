@@ -59,6 +59,12 @@ def build_worker(role: str, engine: Any, args: argparse.Namespace, listen: Any, 
     return DecodeWorker(engine, listen, receiver, args.local_prefill_threshold, args.prefill_timeout)
 
 
+def kv_address(worker: Any) -> str | None:
+    """A decode worker's KV receiver address (what it registers), None for any other worker."""
+    receiver = getattr(getattr(worker, "kv", None), "receiver", None)
+    return getattr(receiver, "address", None)
+
+
 def switch(old: Any, role: str, args: argparse.Namespace, transport: Any) -> Any:
     """Hand `old`'s engine, control socket, registration and metrics to a new `role` worker. `old` is idle."""
     old.release_role()
@@ -72,6 +78,7 @@ def switch(old: Any, role: str, args: argparse.Namespace, transport: Any) -> Any
     if hasattr(new.obs, "switch_role"):
         new.obs.switch_role(role, new.stats_dict)
     if new.registrar is not None:
+        new.registrar.kv_address = kv_address(new)
         new.registrar.switch_role(role)
         bind_service(service=role, worker_id=new.registrar.worker_id)  # log lines name the new role
     log.info("role switched: serving as %s" % role, address=new.address,

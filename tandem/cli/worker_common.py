@@ -119,6 +119,7 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
     worker.registrar = make_registrar(args, role, worker.address, engine.config.model)
     if worker.registrar is not None and transport is not None:
         worker.registrar.kv_layout = engine.kv_layout.to_dict()
+        worker.registrar.kv_address = roles.kv_address(worker)
     colocated = role == "decode" and transport is None  # metrics role "both": it prefills too
     metrics = setup_worker_observability(args, worker, "both" if colocated else role, worker_id(args, role))
     addresses = {"control": worker.address}

@@ -115,6 +115,7 @@ class Register:
     model: Text
     interval_ms: Count  # heartbeat period
     kv_layout: Map | None = None  # a worker with a KV connector: its CacheLayout (P and D must agree)
+    kv_address: Id | None = None  # a decode worker's KV receiver: where prefill workers push its prompts
 
 
 @message("heartbeat")
@@ -138,8 +139,14 @@ class Drain:
     pass  # router -> worker: as SIGTERM: finish what is in flight, deregister, exit 0
 
 
+@message("decode_lost")
+class DecodeLost:
+    dest: Id  # router -> prefill workers: the KV receiver of a decode worker declared dead or hung
+
+
 CONTROL = frozenset({"add_request", "abort", "output", "error", "prefill", "prefill_failed", "stats", "stats_reply",
-                     "trace", "trace_reply", "register", "heartbeat", "deregister", "set_role", "drain"})
+                     "trace", "trace_reply", "register", "heartbeat", "deregister", "set_role", "drain",
+                     "decode_lost"})
 
 
 def encode(msg_type: str, **fields: Any) -> bytes:

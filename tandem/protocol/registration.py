@@ -54,6 +54,7 @@ class Registrar:
         self.control_address = control_address
         self.model = model
         self.kv_layout: dict[str, Any] | None = None  # set where the worker transfers KV: the router checks pairs
+        self.kv_address: str | None = None  # a decode worker's KV receiver (the router tells P when D is lost)
         self.interval_s = interval_s
         self.heartbeats_sent = 0
         self.draining = False  # set on SIGTERM: heartbeats tell the router to route nothing new here
@@ -110,7 +111,7 @@ class Registrar:
                     registered = self._send(sock, "register", worker_id=self.worker_id, role=self.role,
                                             control_address=self.control_address, model=self.model,
                                             interval_ms=max(1, round(self.interval_s * 1000)),
-                                            kv_layout=self.kv_layout)
+                                            kv_layout=self.kv_layout, kv_address=self.kv_address)
                     if registered and not self._refused_recently():  # asking again each interval: quietly
                         log.info("registering with router", router=self.router_address, worker_id=self.worker_id,
                                  role=self.role, address=self.control_address)
