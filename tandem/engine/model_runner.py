@@ -7,7 +7,6 @@ returned per request id, so the order never leaks out.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -15,12 +14,11 @@ import torch
 
 from kernels import get_ops
 from tandem.engine import hidden_cache, logits_processors, sampler, spec_decode, structured
+from tandem.engine.decode_group import MAX_DECODE_QUERY_LEN, decode_group
 from tandem.engine.interfaces.kv_quantizer import KVQuantizer, NoQuantizer
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.layers.attention import AttentionMetadata
 from tandem.models.loader import load_model
-
-MAX_DECODE_QUERY_LEN = 16  # larger uniform query lengths go through the varlen prefill path
 
 
 @dataclass(slots=True)
@@ -56,13 +54,18 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
-        decode_q, decode = _decode_group(out.scheduled)
+        decode_q, decode = decode_group(out.scheduled, pad=self.config.sliding_window is None)
         in_decode = {id(s) for s in decode}
         prefill = [s for s in out.scheduled if id(s) not in in_decode]
         input_ids, positions, slots, sample_rows, spans = [], [], [], [], []
         bs = self.block_size
         for s in decode + prefill:
             r, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            pad = decode_q - n if id(s) in in_decode else 0
+            if pad:  # computed tokens in front of a short query: attended, their K/V not written (slot -1)
+                input_ids += r.token_ids[start - pad:start]
+                positions += range(start - pad, start)
+                slots += [-1] * pad
             if self.keep_hidden:  # only a speculator that reads hidden states pays for this, per row
                 spans.append((r.request_id, start, len(input_ids), n))
             toks = r.token_ids[start:start + n]
@@ -268,19 +271,6 @@ def _held(block_ids: list[int]) -> list[int]:
     if block_ids and block_ids[0] < 0:
         return [max(b, 0) for b in block_ids]
     return block_ids
-
-
-def _decode_group(scheduled: list[ScheduledRequest]) -> tuple[int, list[ScheduledRequest]]:
-    """Requests past their prompt that share the most common small query length attend from the
-    cache in one padded batch; everything else takes the varlen prefill path."""
-    def eligible(s: ScheduledRequest) -> bool:
-        return s.request.num_computed_tokens > 0 and s.num_new_tokens <= MAX_DECODE_QUERY_LEN and s.samples
-
-    lens = Counter(s.num_new_tokens for s in scheduled if eligible(s))
-    if not lens:
-        return 0, []
-    q = lens.most_common(1)[0][0]
-    return q, [s for s in scheduled if eligible(s) and s.num_new_tokens == q]
 
 
 def position_seed(seed: int, num_tokens: int, stream: int = 0) -> int:
