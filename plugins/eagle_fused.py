@@ -52,9 +52,8 @@ class FusedDrafter:
         return args, scratch
 
     def _applies(self, state: torch.Tensor) -> bool:
-        attn = self.head.layers[0].self_attn
         tensors = (state, self.embed.weight, self.head.rotary.cos, self.head.rotary.sin, *self.kv_caches)
-        return (fused.ALLOWED and linear_mod._choice != "torch" and attn.q_norm is None
+        return (fused.ALLOWED and linear_mod._choice != "torch"
                 and all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
                 and all(layer.self_attn.q_norm is None for layer in self.head.layers))
 

@@ -40,6 +40,15 @@ def start(role: str, name: str, router: str, logs: Path, *flags: str, env: dict 
                        "--kv-connector", "zmq", *flags], logs, env)
 
 
+def start_pair(ep: dict, tmp_path: Path, stall: str, procs: list) -> tuple[Proc, Proc]:
+    """P (its steps slowed by `stall`, see service_procs.step_hook_env) and D, registered; both added to procs."""
+    prefill = start("prefill", "p", ep["listen"], tmp_path, env=step_hook_env(tmp_path / "hook", stall=stall))
+    decode = start("decode", "d", ep["listen"], tmp_path, "--local-prefill-threshold", "0", "--prefill-timeout", "30")
+    procs += [prefill, decode]
+    wait_workers(ep["http"], decode=1, prefill=1)
+    return prefill, decode
+
+
 @pytest.fixture(scope="module")
 def expected() -> str:
     from tandem import LLM, SamplingParams
@@ -56,11 +65,7 @@ def test_decode_worker_outlives_its_prefill_peer(tmp_path, expected, fate):
     procs = [router]
     try:
         ep = router_endpoints(router)
-        prefill = start("prefill", "p", ep["listen"], tmp_path, env=step_hook_env(tmp_path / "hook", stall=stall))
-        decode = start("decode", "d", ep["listen"], tmp_path, "--local-prefill-threshold", "0",
-                       "--prefill-timeout", "30")
-        procs += [prefill, decode]
-        wait_workers(ep["http"], decode=1, prefill=1)
+        prefill, decode = start_pair(ep, tmp_path, stall, procs)
         d_control = decode.wait_for(r'tandem-decode-ready \{"control": "([^"]+)"').group(1)
         body = {"model": "tiny-target", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
         result: dict = {}
@@ -136,11 +141,7 @@ def test_prefill_worker_frees_blocks_lent_to_a_lost_decode_worker(tmp_path):
     try:
         ep = router_endpoints(router)
         # P's second step (the second prompt's) waits 3 s first: D is stopped meanwhile
-        prefill = start("prefill", "p", ep["listen"], tmp_path, env=step_hook_env(tmp_path / "hook", stall="2:3"))
-        decode = start("decode", "d", ep["listen"], tmp_path, "--local-prefill-threshold", "0",
-                       "--prefill-timeout", "30")
-        procs += [prefill, decode]
-        wait_workers(ep["http"], decode=1, prefill=1)
+        prefill, decode = start_pair(ep, tmp_path, "2:3", procs)
         p_control = prefill.wait_for(r'tandem-prefill-ready \{"control": "([^"]+)"').group(1)
         body = {"model": "tiny-target", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
         status, _, out = post(f"{ep['http']}/v1/completions", body)
