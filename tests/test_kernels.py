@@ -15,6 +15,7 @@ import inspect
 
 import pytest
 import torch
+import triton_device
 
 from kernels import reference as ref
 from kernels.reference import QUANT_MAX
@@ -28,16 +29,12 @@ BS = 16
 
 @pytest.fixture(scope="module")
 def ops():
-    from kernels.triton_ops import TRITON_OPS  # imports triton: after conftest set TRITON_INTERPRET
-
-    return TRITON_OPS
+    return triton_device.triton_ops()  # imports triton: after conftest set TRITON_INTERPRET
 
 
 @pytest.fixture(scope="module")
 def decode_split():
-    from kernels.triton_decode import paged_decode_attention
-
-    return paged_decode_attention
+    return triton_device.triton_decode()
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -100,6 +97,7 @@ def test_store_kv_matches_reference_bit_exact(ops, cache_dtype, in_dtype, kv_hea
     key = _randn(tokens, kv_heads, head_dim, dtype=in_dtype, seed=3, strided=True) * 4
     value = _randn(tokens, kv_heads, head_dim, dtype=in_dtype, seed=4, strided=True)
     key[2] = 0  # an all-zero row exercises the 1e-8 scale floor
+    key[4, 0, :4] = torch.tensor([-1e-6, 1e-6, -0.0, 3e-7])  # round to -0 / +0 in fp8: the sign bit must match
     slots = torch.randperm(num_blocks * BS, generator=_gen(5))[:tokens]
     slots[[0, 7, 20]] = -1  # skipped rows (CUDA-graph padding)
     expected, mine = (_make_cache(num_blocks, kv_heads, head_dim, cache_dtype, seed=6)[:2] for _ in range(2))
@@ -251,9 +249,10 @@ def test_store_prefill_decode_pipeline(ops):
 
 def test_dispatch_and_signatures(ops, monkeypatch):
     from kernels import REFERENCE_OPS, get_ops
+    from kernels.triton_ops import TRITON_OPS
 
     monkeypatch.setenv("TANDEM_KERNELS", "triton")
-    assert get_ops("cpu") is ops and ops.name == "triton"
+    assert get_ops("cpu") is TRITON_OPS and ops.name == "triton"
     monkeypatch.setenv("TANDEM_KERNELS", "reference")
     assert get_ops("cpu") is REFERENCE_OPS
     for name in ("store_kv", "paged_decode_attention", "prefill_attention", "gather_blocks", "scatter_blocks"):
