@@ -115,7 +115,17 @@ def bench_store(args, ops, copy_gbs: float, cache_dtype: torch.dtype) -> None:
     ops.store_kv(key, value, mine[0], slots, mine[1])
     ref.store_kv(key, value, expect[0], slots, expect[1])
     if not torch.equal(mine[0].view(torch.uint8), expect[0].view(torch.uint8)):
-        raise SystemExit("store_kv: Triton cache differs from the reference; not benchmarking")
+        # Which side is off: the same store through the reference op on the CPU decides.
+        cpu = [cache.cpu(), None if scale is None else scale.cpu()]
+        ref.store_kv(key.cpu(), value.cpu(), cpu[0], slots.cpu(), cpu[1])
+        bits = [t.view(torch.uint8).cpu() for t in (mine[0], expect[0], cpu[0])]
+        where = (bits[0] != bits[1]).nonzero()[:4].tolist()
+        print(f"store_kv {str(cache_dtype):>21}: Triton differs from the GPU reference in "
+              f"{int((bits[0] != bits[1]).sum())} bytes, from the CPU reference in {int((bits[0] != bits[2]).sum())}; "
+              f"GPU vs CPU reference: {int((bits[1] != bits[2]).sum())} bytes. First: "
+              + "; ".join(f"{i}: triton {int(bits[0][tuple(i)])} gpu-ref {int(bits[1][tuple(i)])} "
+                          f"cpu-ref {int(bits[2][tuple(i)])}" for i in where) + " — not timed")
+        return
     ms = _bench_ms(lambda: ops.store_kv(key, value, cache, slots, scale))
     nbytes = 2 * key.numel() * (key.element_size() + cache.element_size())  # read K, V rows; write them
     nbytes += 0 if scale is None else 2 * tokens * hkv * 4

@@ -35,6 +35,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     draft_model: str | None = None
     spec_max_batch: int = 8
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (tandem/engine/cuda_graphs.py); CPU: no effect
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

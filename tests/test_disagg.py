@@ -18,7 +18,7 @@ from tandem.protocol import messages
 pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
 
 CONNECTORS = ["zmq", "shm", "torch_dist"]
-ENGINE = ["--num-kv-blocks", "512", "--max-model-len", "1024"]
+ENGINE = ["--num-kv-blocks", "512", "--max-model-len", "1024", "--dtype", "float32"]  # fp32 on a GPU too
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 
 
@@ -29,7 +29,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline(ckpt):
-    return LLM(ckpt, num_kv_blocks=512, max_model_len=1024)
+    return LLM(ckpt, num_kv_blocks=512, max_model_len=1024, dtype="float32")
 
 
 def start_worker(role, ckpt, log_dir, *flags, name=None):

@@ -35,7 +35,8 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_greedy_matches_transformers(case, variant):
     path, prompts, expected = case
-    options = dict(num_kv_blocks=256, max_model_len=512) | VARIANTS[variant]
+    # fp32 everywhere: on a GPU too (where dtype "auto" would be bf16), so the tokens must be transformers'
+    options = dict(num_kv_blocks=256, max_model_len=512, dtype="float32") | VARIANTS[variant]
     llm = LLM(path, **options)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     for i, (out, ref) in enumerate(zip(outs, expected)):

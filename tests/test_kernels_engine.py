@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton_device
 from test_kernels import _bits, _make_cache, _randn
 
 from kernels import reference as ref
@@ -24,9 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def ops():
-    from kernels.triton_ops import TRITON_OPS  # imports triton: after conftest set TRITON_INTERPRET
-
-    return TRITON_OPS
+    return triton_device.triton_ops()  # imports triton: after conftest set TRITON_INTERPRET
 
 
 # ----------------------------------------------------------------------------------- gather / scatter
@@ -104,9 +103,13 @@ ENGINE_VARIANTS = [{}, {"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "fp8_e4m3"
 
 
 def _engine_run(model_dir: str, kernels: str, variants: list[dict]) -> list[list[list[int]]]:
-    """Every variant in one subprocess per kernel choice (the env var must apply before imports)."""
+    """Every variant in one subprocess per kernel choice (the env var must apply before imports). The
+    reference runs on the CPU; Triton on the GPU in fp32 where there is one, else interpreted on CPU."""
     env = {**os.environ, "TANDEM_KERNELS": kernels, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if kernels == "triton" and triton_device.GPU is not None:
+        del env["TRITON_INTERPRET"], env["CUDA_VISIBLE_DEVICES"]
+        variants = [{**v, "device": "cuda", "dtype": "float32"} for v in variants]
     proc = subprocess.run([sys.executable, "-c", _ENGINE_SCRIPT, model_dir, json.dumps(variants)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -141,12 +141,12 @@ def test_disaggregated_ships_only_the_window(mistral, tmp_path):
 
 
 def test_triton_kernels_in_the_engine(mistral, monkeypatch):
-    """The same engine path through the Triton kernels (interpreted on CPU): released blocks' table
+    """The same engine path through the Triton kernels (interpreted on CPU, compiled on a GPU): released blocks' table
     entries are never read, and the windowed masks give transformers' tokens."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TANDEM_KERNELS", "triton")
     prompts = _prompts(2, seed=8)
-    llm = LLM(mistral, num_kv_blocks=64, max_model_len=1024, max_num_batched_tokens=CHUNK)
+    llm = LLM(mistral, num_kv_blocks=64, max_model_len=1024, max_num_batched_tokens=CHUNK, dtype="float32")
     assert llm.engine.runner.ops.name == "triton"
     _watch_blocks(llm)
     outs = llm.generate(prompts, greedy(24))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton_device
 
 from kernels import reference as ref
 
@@ -131,9 +132,7 @@ def test_decode_plans_per_window_do_not_mix():
 @pytest.fixture(scope="module")
 def triton_ops():
     pytest.importorskip("triton")
-    from kernels.triton_ops import TRITON_OPS  # after conftest set TRITON_INTERPRET
-
-    return TRITON_OPS
+    return triton_device.triton_ops()  # after conftest set TRITON_INTERPRET
 
 
 @pytest.mark.slow
@@ -149,9 +148,7 @@ def test_triton_prefill_window_matches_reference(triton_ops, n, q_len, window):
 @pytest.mark.parametrize("lens,q_len,window", DECODE_CASES[:4])
 @pytest.mark.parametrize("partition", [None, 64])
 def test_triton_decode_window_matches_reference(lens, q_len, window, partition):
-    from kernels.triton_decode import paged_decode_attention
-
     args, expected = _decode_case(lens, q_len, window, seed=sum(lens) + window)
-    out = paged_decode_attention(*args, window=window, partition_tokens=partition)
+    out = triton_device.triton_decode()(*args, window=window, partition_tokens=partition)
     assert not out.isnan().any(), "read a block outside every query's window"
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -19,6 +19,7 @@ _HELP = {
     "draft_model": ("draft checkpoint for --speculator draft_model, or EAGLE head directory for --speculator eagle "
                     "(default: the built-in draft model / head)"),
     "spec_max_batch": "speculate only while at most this many requests are running",
+    "enforce_eager": "GPU: run every decode step eagerly instead of replaying CUDA graphs (no effect on CPU)",
     "max_num_seqs": "most requests in one continuous batch",
     "max_num_batched_tokens": "token budget of one step (chunked-prefill chunk size)",
     "role": "engine role",

@@ -14,6 +14,7 @@ import torch
 
 from kernels import get_ops
 from tandem.engine import hidden_cache, logits_processors, sampler, spec_decode, structured
+from tandem.engine.cuda_graphs import DecodeGraphs, graphs_for
 from tandem.engine.decode_group import MAX_DECODE_QUERY_LEN, decode_group
 from tandem.engine.interfaces.kv_quantizer import KVQuantizer, NoQuantizer
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -32,11 +33,17 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model_path: str, dtype: torch.dtype, device: torch.device, max_model_len: int,
-                 block_size: int, seed: int = 0, kv_quantizer: KVQuantizer | None = None) -> None:
+                 block_size: int, seed: int = 0, kv_quantizer: KVQuantizer | None = None,
+                 cuda_graphs: bool = True) -> None:
         self.device, self.dtype, self.block_size = device, dtype, block_size
         self.model = load_model(model_path, dtype, device, max_model_len + MAX_DECODE_QUERY_LEN)
         self.config = self.model.config
         self.ops = get_ops(device)
+        # Decode steps replay CUDA graphs on a GPU (tandem/engine/cuda_graphs.py), made on first use; the
+        # reference ops read sequence lengths on the host, which a graph cannot.
+        self.use_graphs = cuda_graphs and device.type == "cuda" and self.ops.name == "triton"
+        self.decode_graphs: DecodeGraphs | None = None
+        self.max_blocks_per_seq = -(-(max_model_len + MAX_DECODE_QUERY_LEN) // block_size)
         self.kv_caches: list[torch.Tensor] = []
         self.kv_scales: list[torch.Tensor] | None = None
         # KV cache storage format (plugins/quantizers.py): cache dtype, optional per-token-head scales
@@ -80,6 +87,12 @@ class ModelRunner:
                 k = 1 + len(s.spec_token_ids)
                 sample_rows.append((s, len(input_ids) - k, k))
         dev = self.device
+        plain_masks = self._start_masks(sample_rows)  # grammar masks are computed while the model runs
+        graphs = graphs_for(self, decode, prefill, decode_q)
+        if graphs is not None:
+            hidden = graphs.run(input_ids, positions, slots, [_held(s.request.block_ids) for s in decode],
+                                [s.request.num_computed_tokens + 1 for s in decode])
+            return self._finish(hidden, sample_rows, plain_masks, {})
         meta = AttentionMetadata(
             ops=self.ops, kv_caches=self.kv_caches, kv_scales=self.kv_scales,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -91,18 +104,21 @@ class ModelRunner:
             prefill_seq_lens=self._seq_lens(prefill) if prefill else None,
             layer_hook=self.layer_hook,
         )
-        plain_masks = self._start_masks(sample_rows)  # grammar masks are computed while the model runs
         hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
         if self.hidden_layers:
             hidden_cache.store_hidden(self.ops, self.kv_caches, self.kv_scales, hidden, meta.slot_mapping,
                                       self.hidden_layers, self.layer_hook)
         # Copies, so a speculator holding a few rows does not keep the whole step's tensor alive.
         kept = {rid: (start, hidden[row:row + n].clone()) for rid, start, row, n in spans}
+        return self._finish(hidden, sample_rows, plain_masks, kept)
+
+    def _finish(self, hidden: torch.Tensor, sample_rows: list, plain_masks: Any, kept: dict) -> StepResult:
+        """Logits of the rows that sample, and the sampled tokens."""
         if not sample_rows:
             return StepResult({}, {}, kept)
         rows = [i for _, start, k in sample_rows for i in range(start, start + k)]
         if len(rows) < hidden.shape[0] or rows[-1] != len(rows) - 1:  # else every row, in order: no copy
-            hidden = hidden[torch.tensor(rows, device=dev)]
+            hidden = hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
         result = self._sample(sample_rows, logits, plain_masks)
         result.hidden = kept

@@ -1,0 +1,75 @@
+"""Decode steps through tandem/engine/cuda_graphs.py: the static buffers, the padding to a captured
+batch size and which steps may replay a graph. On this CPU the graphs run eagerly (capture=False) over
+the very buffers a GPU graph reads, so greedy output must stay transformers' token for token while
+batches of 3, 5 and 6 requests are padded to 4 and 8 with rows that must neither write K/V nor
+disturb the real rows; with a GPU the same test captures and replays real graphs."""
+
+import pytest
+from tiny_models import hf_greedy, make_checkpoint
+
+from tandem import LLM, SamplingParams
+from tandem.engine import cuda_graphs
+
+pytestmark = pytest.mark.slow  # real models: deselected by -m 'not slow'
+
+NEW = 20
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral"])  # mistral: a sliding window of 32 (released blocks)
+def path(request, tmp_path_factory):
+    return make_checkpoint(str(tmp_path_factory.mktemp(request.param)), request.param)
+
+
+def _llm(path: str, **options) -> LLM:
+    llm = LLM(path, num_kv_blocks=96, max_model_len=256, dtype="float32", **options)
+    llm.engine.runner.use_graphs = True  # on by default on a GPU only
+    return llm
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_graph_steps_match_transformers(path, kv_cache_dtype):
+    lengths = [5, 40, 17, 70, 3, 33]
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate(lengths)]
+    llm = _llm(path, kv_cache_dtype=kv_cache_dtype)
+    sizes = []
+    run = cuda_graphs.DecodeGraphs.run
+
+    def spy(self, input_ids, *args):
+        sizes.append(len(input_ids))
+        return run(self, input_ids, *args)
+
+    cuda_graphs.DecodeGraphs.run = spy
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+        outs = llm.generate(prompts[:3], greedy) + llm.generate(prompts[3:] + prompts[:2], greedy)
+    finally:
+        cuda_graphs.DecodeGraphs.run = run
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None and graphs.replays == len(sizes) > 0
+    assert {3, 5} <= set(sizes), sizes  # padded to 4 and 8: pad rows really ran
+    assert set(graphs.graphs) <= set(cuda_graphs.SIZES) and {4, 8} <= set(graphs.graphs)
+    if kv_cache_dtype == "auto":  # transformers runs the unquantized cache
+        assert [o.token_ids for o in outs] == hf_greedy(path, prompts + prompts[:2], NEW)
+    else:  # int8: the same tokens as the eager path on the same cache (the graphs' buffers carry the scales)
+        eager = LLM(path, num_kv_blocks=96, max_model_len=256, dtype="float32", kv_cache_dtype="int8")
+        same = eager.generate(prompts[:3], greedy) + eager.generate(prompts[3:] + prompts[:2], greedy)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in same]
+    llm.engine.check_invariants()
+    assert llm.engine.kv.pool.num_used == 0
+
+
+def test_steps_that_do_not_replay(path):
+    """Prefill rows, speculative queries and a layer hook (P/D) keep the eager path: the graph would
+    skip the hook and bake one query length."""
+    llm = _llm(path, speculator="ngram", num_speculative_tokens=3)
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 7]
+    hooked = []
+    llm.engine.runner.layer_hook = hooked.append
+    greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    outs = llm.generate(prompts, greedy)
+    assert hooked and llm.engine.runner.decode_graphs is None  # every layer reported, never a graph
+    llm.engine.runner.layer_hook = None
+    assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(prompts, greedy)]
+    graphs = llm.engine.runner.decode_graphs
+    # ngram proposes for repeating prompts: those steps have Q > 1 and stay eager; the rest replay
+    assert graphs is None or graphs.replays < 2 * NEW
