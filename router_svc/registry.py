@@ -76,7 +76,8 @@ class Worker:
         return self.loop_age_s() > STALLED_S
 
     def describe(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "role": self.role, "address": self.address, "static": self.static,
+        return {"worker_id": self.worker_id, "role": self.role, "address": self.address, "kv_address": self.kv_address,
+                "static": self.static,
                 "alive": self.alive, "hung": self.hung, "reachable": self.unverified_since is None,
                 "loop_age_s": round(self.loop_age_s(), 3),
                 "inflight": self.inflight, "seconds_since_seen": round(time.monotonic() - self.last_seen, 3),

@@ -166,6 +166,9 @@ def test_role_switch_and_drain_under_load(tmp_path):
         workers = {w["worker_id"]: w for w in _admin(http, "")[1]["data"]}
         for wid in ("p2", "d1"):
             assert stats_of(workers[wid]["address"])["kv_invariant_ok"], wid
+        # the KV receiver address follows the role: p2 registered one on becoming decode (P is told its
+        # address when it is lost), d1 dropped its own on becoming prefill
+        assert workers["p2"]["kv_address"].startswith("tcp://") and workers["d1"]["kv_address"] is None
         # now each role has one worker left: neither may be drained or switched
         assert _admin(http, "/p2/drain")[0] == 409 and _admin(http, "/d1/role", {"role": "decode"})[0] == 409
     finally:
