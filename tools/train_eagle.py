@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_tiny import ASSETS, Cfg, Layer, TinyLlama, corpus, log, rope_tables, to_windows  # noqa: E402
+from tiny_llama import Cfg, Layer, TinyLlama, rope_tables  # noqa: E402
+from train_tiny import ASSETS, corpus, log, to_windows  # noqa: E402
 
 TARGET, HEAD = "tiny-target", "tiny-eagle"
 

@@ -51,10 +51,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer(config.model)
         self.max_model_len = model_cfg.resolve_max_model_len(config.max_model_len, _MAX_MODEL_LEN_DEFAULT_CAP)
         self.runner = ModelRunner(config.model, config.torch_dtype, config.torch_device, self.max_model_len,
-                                  config.block_size, config.seed,
+                                  config.block_size, config.seed, cuda_graphs=not config.enforce_eager,
                                   # --kv-cache-dtype: sizes the blocks below and allocates scales
-                                  kv_quantizer=resolve_quantizer(config.kv_cache_dtype),
-                                  cuda_graphs=not config.enforce_eager)
+                                  kv_quantizer=resolve_quantizer(config.kv_cache_dtype))
         # An EAGLE-style speculator reads the target's hidden states: they get cache layers of their own,
         # so they are there for prefix-cache hits and cross from a prefill worker with the K/V.
         self.runner.hidden_layers = hidden_state_layers(model_cfg) if spec_decode.wants_hidden_states(config) else 0
