@@ -49,6 +49,14 @@ def make_group(store: dist.Store, rank: int, backend: str, host: str, timeout_s:
     return dist.ProcessGroupGloo(store, rank, 2, opts)
 
 
+def gpu_uuid(device: torch.device) -> str | None:
+    """The GPU's UUID (None off CUDA): NCCL cannot pair two processes on one GPU, so the sender
+    refuses a receiver on its own GPU at handshake instead of failing every transfer later."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
 def _split(buf: torch.Tensor, layout: CacheLayout, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The flat payload buffer as (blocks [n, 2, bs, H, D], scales [n, 2, bs, H] or None)."""
     data_nbytes = n * layout.block_nbytes
@@ -82,7 +90,7 @@ class DistReceiver(BaseReceiver):
                                        name=f"kv-recv-pair-{pair.name[:8]}")
         pair.thread.start()
         extra = {"store_host": self._host, "store_port": self._store.port, "pair": pair.name,
-                 "backend": self._backend, "timeout_s": self._timeout_s}
+                 "backend": self._backend, "timeout_s": self._timeout_s, "gpu": gpu_uuid(self.kv_caches[0].device)}
         return extra, pair
 
     def _drop_peer(self, info: Peer) -> None:
@@ -168,6 +176,10 @@ class DistSender(BaseSender):
         if (backend == "nccl") != (self.device.type == "cuda"):
             raise ValueError(f"receiver uses {backend} but this sender's device is {self.device}: "
                              "both sides must be on CUDA (nccl) or both on CPU (gloo)")
+        mine = gpu_uuid(self.device)
+        if mine is not None and extra.get("gpu") == mine:
+            raise ValueError(f"the receiver's KV cache is on this sender's own GPU ({mine}): NCCL cannot connect two "
+                             "processes on one GPU; use --kv-connector zmq when prefill and decode share a GPU")
         store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s))
         prefixed = dist.PrefixStore(f"{STORE_PREFIX}/{pair}", store)
         prefixed.set(SENDER_READY, b"1")

@@ -77,3 +77,38 @@ def test_receiver_ready_fd_wakes_a_poller_for_the_end_of_a_transfer() -> None:
     finally:
         tx.close()
         rx.close()
+
+
+def test_torch_dist_refuses_a_receiver_on_the_senders_own_gpu(monkeypatch) -> None:
+    """NCCL cannot pair two processes on one GPU (seen on an H100: every transfer of a P/D pair on one
+    GPU failed and fell back to local prefill). The handshake compares the GPUs' UUIDs and refuses with
+    a message naming the fix; different GPUs (here: no GPU at all) pair as before."""
+    import pytest
+    import torch
+
+    from kvtransfer import CONNECTORS, HandshakeError, TransferDone, dist_connector
+
+    c = CONNECTORS["torch_dist"](timeout_s=30)
+    caches, scales = c.allocate_kv_caches(FP32, 8)
+    rx = c.make_receiver(FP32, caches, scales, "tcp://127.0.0.1:*")
+    try:
+        monkeypatch.setattr(dist_connector, "gpu_uuid", lambda device: "GPU-1234")  # both ends "on" one GPU
+        tx = c.make_sender(FP32, "cpu")
+        with pytest.raises(HandshakeError, match="own GPU .GPU-1234.*--kv-connector zmq"):
+            tx.connect(rx.address)
+        tx.close()
+        monkeypatch.setattr(dist_connector, "gpu_uuid", lambda device: None)
+        tx = c.make_sender(FP32, "cpu")
+        tx.connect(rx.address)
+        rx.expect("r", [2])
+        src = torch.randn(4, *FP32.block_shape)
+        for layer in range(FP32.num_layers):
+            tx.send_layer(rx.address, "r", layer, src, None, [1], [2])
+        done = tx.finish_async("r")
+        deadline = time.monotonic() + 20
+        while not any(isinstance(e, TransferDone) for e in rx.poll(100)):  # D scatters and acks in poll()
+            assert time.monotonic() < deadline, "no TransferDone"
+        assert done.result(timeout=20) and torch.equal(caches[3][2], src[1])
+        tx.close()
+    finally:
+        rx.close()
