@@ -91,7 +91,7 @@ class ModelRunner:
         graphs = graphs_for(self, decode, prefill, decode_q)
         if graphs is not None:
             hidden = graphs.run(input_ids, positions, slots, [_held(s.request.block_ids) for s in decode],
-                                [s.request.num_computed_tokens + 1 for s in decode])
+                                [s.request.num_computed_tokens + s.num_new_tokens for s in decode], decode_q)
             return self._finish(hidden, sample_rows, plain_masks, {})
         meta = AttentionMetadata(
             ops=self.ops, kv_caches=self.kv_caches, kv_scales=self.kv_scales,
