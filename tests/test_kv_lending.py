@@ -167,3 +167,21 @@ def test_a_silent_receiver_is_given_up_after_the_hold_timeout(tmp_path) -> None:
         assert late not in p.scheduler.held and p.kv.pool.num_free == free_before
     finally:
         tx.close()
+
+
+def test_replacing_a_sending_connector_drops_its_layer_hook(tmp_path) -> None:
+    """A prefill worker switched to decode gets a connector that sends nothing: the old sender's
+    per-layer hook must go with it (it kept the old connector alive, ran every layer of every decode
+    step, and on a GPU keeps decode steps off CUDA graphs)."""
+    from tandem.engine.kv_connector import KVConnector
+
+    p, _, rx, tx, conn = _p_and_d(tmp_path)
+    try:
+        assert p.runner.layer_hook is not None
+        p.set_kv_connector(KVConnector())
+        assert p.runner.layer_hook is None
+        p.set_kv_connector(conn)  # and back: the sender's hook returns
+        assert p.runner.layer_hook is not None
+    finally:
+        tx.close()
+        rx.close()

@@ -208,10 +208,9 @@ class LLMEngine:
         """Plug in a connector: the scheduler consults its scheduler half, `step` polls its worker
         half, and the forward pass hands it each layer as soon as the layer's K/V is stored."""
         self.kv_connector = self.scheduler.connector = connector
-        if type(connector).save_layer is not KVConnector.save_layer:
-            runner = self.runner
-            runner.layer_hook = lambda layer: connector.save_layer(layer, self.current_schedule, runner.kv_caches,
-                                                                   runner.kv_scales)
+        runner, sends = self.runner, type(connector).save_layer is not KVConnector.save_layer
+        runner.layer_hook = None if not sends else (  # a role switch drops a sender's hook with its connector
+            lambda layer: connector.save_layer(layer, self.current_schedule, runner.kv_caches, runner.kv_scales))
 
     def _apply_kv_updates(self) -> list[RequestOutput]:
         updates, outputs = self.kv_connector.poll(), []
