@@ -75,3 +75,23 @@ def test_speculative_steps_replay_and_hooked_steps_do_not(path):
     graphs = llm.engine.runner.decode_graphs
     assert any(q > 1 for _, q in graphs.graphs), graphs.graphs  # verification steps replayed
     assert llm.engine.runner.spec_stats.num_accepted_tokens > 0
+
+
+def test_eagle_steps_replay_with_the_hidden_state_cache():
+    """EAGLE's target steps keep hidden states (the spans it drafts from, and the cache layers that
+    carry them): a graph holds those writes too. A second turn whose prompt is the first turn's prompt
+    and answer hits the prefix cache, so the head drafts from states that graph steps cached. Same
+    tokens and the same accepted drafts as eager, so the head saw the same states."""
+    prompts = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n\nclass Config", "    def __init__(self"]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = []
+    for graphs in (False, True):
+        llm = LLM(speculator="eagle", dtype="float32")
+        llm.engine.runner.use_graphs = graphs
+        first = llm.generate(prompts, greedy)
+        second = llm.generate([o.prompt_token_ids + o.token_ids + [13] for o in first], greedy)
+        outs = [o.token_ids for o in first + second]
+        runs.append((outs, llm.engine.runner.spec_stats.num_accepted_tokens, llm.engine.runner.decode_graphs))
+    (eager, accepted_eager, none), (graphed, accepted, used) = runs
+    assert none is None and used is not None and any(q > 1 for _, q in used.graphs), used and used.graphs
+    assert graphed == eager and accepted == accepted_eager > 0

@@ -5,9 +5,10 @@ On a GPU a small model's decode step is bound by launching kernels from Python, 
 the GPU busy 0.55 ms of it; replayed as a graph, 0.89 ms). Steps that use one: every scheduled request
 is in the decode group (no prefill rows) with the group's query length Q (1, or 1 + proposals when
 speculating: decode_group.py pads ragged queries to one Q), at most SIZES[-1] requests and MAX_ROWS
-rows, and nothing watches the forward per layer (no P/D layer hook, no hidden states kept for a
-speculator). The batch is padded to the next size in SIZES with requests that write no K/V (slot -1)
-and attend Q tokens of block 0; their outputs are never read.
+rows, and nothing watches the forward per layer (no P/D layer hook). The graph holds the runner's
+whole forward, the EAGLE hidden-state cache writes included (ModelRunner.forward). The batch is
+padded to the next size in SIZES with requests that write no K/V (slot -1) and attend Q tokens of
+block 0; their outputs are never read.
 
 The graph reads its inputs from static buffers the step copies into (token ids, positions, slots,
 block tables at the full width of max_model_len, sequence lengths); its output tensor is reused by
@@ -37,9 +38,10 @@ class _Captured:
 
 
 class DecodeGraphs:
-    def __init__(self, model, ops, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None,
+    def __init__(self, forward, ops, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None,
                  device: torch.device, max_blocks_per_seq: int, capture: bool = True) -> None:
-        self.model, self.ops, self.kv_caches, self.kv_scales = model, ops, kv_caches, kv_scales
+        """forward(input_ids, positions, meta) -> hidden states: what a graph captures."""
+        self.forward, self.ops, self.kv_caches, self.kv_scales = forward, ops, kv_caches, kv_scales
         self.capture = capture
         n, rows = SIZES[-1], min(MAX_ROWS, SIZES[-1] * MAX_DECODE_QUERY_LEN)
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
@@ -82,7 +84,7 @@ class DecodeGraphs:
         self.replays += 1
         captured = self.graphs.get((size, q)) or self._capture(size, q)
         if captured.graph is None:  # eager, with fresh metadata: the reference ops cache their plan by identity
-            return self.model(self.input_ids[:size * q], self.positions[:size * q], self._meta(size, q))[:rows]
+            return self.forward(self.input_ids[:size * q], self.positions[:size * q], self._meta(size, q))[:rows]
         captured.graph.replay()
         return captured.hidden[:rows]
 
@@ -110,11 +112,11 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compiles and warms up outside the capture
             for _ in range(2):
-                self.model(ids, pos, meta)
+                self.forward(ids, pos, meta)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.model(ids, pos, meta)
+            hidden = self.forward(ids, pos, meta)
         self.pool = graph.pool()
         for buf, value in zip(bufs, saved):
             buf.copy_(value)
@@ -124,13 +126,13 @@ class DecodeGraphs:
 
 def graphs_for(runner, decode: list, prefill: list, decode_q: int) -> DecodeGraphs | None:
     """The runner's graphs when this step can replay one (decode rows only, a size it may capture,
-    nothing watching the forward per layer: P/D layer hook, hidden states for a speculator), else None."""
-    if (not runner.use_graphs or prefill or not decode or runner.keep_hidden or runner.hidden_layers
-            or runner.layer_hook is not None or DecodeGraphs.size_for(len(decode), decode_q) is None):
+    nothing watching the forward per layer: a P/D layer hook), else None."""
+    if (not runner.use_graphs or prefill or not decode or runner.layer_hook is not None
+            or DecodeGraphs.size_for(len(decode), decode_q) is None):
         return None
     graphs = runner.decode_graphs
     if graphs is None or not graphs.fits(runner.kv_caches, runner.kv_scales):
-        graphs = runner.decode_graphs = DecodeGraphs(runner.model, runner.ops, runner.kv_caches, runner.kv_scales,
+        graphs = runner.decode_graphs = DecodeGraphs(runner.forward, runner.ops, runner.kv_caches, runner.kv_scales,
                                                      runner.device, runner.max_blocks_per_seq,
                                                      capture=runner.device.type == "cuda")
     return graphs

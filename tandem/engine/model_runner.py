@@ -18,6 +18,7 @@ from tandem.engine.cuda_graphs import DecodeGraphs, graphs_for
 from tandem.engine.decode_group import MAX_DECODE_QUERY_LEN, decode_group
 from tandem.engine.interfaces.kv_quantizer import KVQuantizer, NoQuantizer
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tandem.engine.step_inputs import held, step_metadata
 from tandem.layers.attention import AttentionMetadata
 from tandem.models.loader import load_model
 
@@ -90,27 +91,22 @@ class ModelRunner:
         plain_masks = self._start_masks(sample_rows)  # grammar masks are computed while the model runs
         graphs = graphs_for(self, decode, prefill, decode_q)
         if graphs is not None:
-            hidden = graphs.run(input_ids, positions, slots, [_held(s.request.block_ids) for s in decode],
+            hidden = graphs.run(input_ids, positions, slots, [held(s.request.block_ids) for s in decode],
                                 [s.request.num_computed_tokens + s.num_new_tokens for s in decode], decode_q)
-            return self._finish(hidden, sample_rows, plain_masks, {})
-        meta = AttentionMetadata(
-            ops=self.ops, kv_caches=self.kv_caches, kv_scales=self.kv_scales,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_seqs=len(decode), decode_query_len=decode_q,
-            decode_block_tables=self._block_table(decode) if decode else None,
-            decode_seq_lens=self._seq_lens(decode) if decode else None,
-            prefill_block_tables=self._block_table(prefill) if prefill else None,
-            prefill_query_start_loc=self._start_loc(prefill) if prefill else None,
-            prefill_seq_lens=self._seq_lens(prefill) if prefill else None,
-            layer_hook=self.layer_hook,
-        )
-        hidden = self.model(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
-        if self.hidden_layers:
-            hidden_cache.store_hidden(self.ops, self.kv_caches, self.kv_scales, hidden, meta.slot_mapping,
-                                      self.hidden_layers, self.layer_hook)
+        else:
+            hidden = self.forward(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
+                                  step_metadata(self, decode, prefill, decode_q, slots))
         # Copies, so a speculator holding a few rows does not keep the whole step's tensor alive.
         kept = {rid: (start, hidden[row:row + n].clone()) for rid, start, row, n in spans}
         return self._finish(hidden, sample_rows, plain_masks, kept)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model, then (for a speculator that reads them) its final hidden states into their cache layers."""
+        hidden = self.model(input_ids, positions, meta)
+        if self.hidden_layers:
+            hidden_cache.store_hidden(self.ops, self.kv_caches, self.kv_scales, hidden, meta.slot_mapping,
+                                      self.hidden_layers, meta.layer_hook)
+        return hidden
 
     def _finish(self, hidden: torch.Tensor, sample_rows: list, plain_masks: Any, kept: dict) -> StepResult:
         """Logits of the rows that sample, and the sampled tokens."""
@@ -215,21 +211,6 @@ class ModelRunner:
             sampled.update((r.request_id, [t]) for r, t in zip(reqs, tokens))
         return StepResult(sampled, per_req)
 
-    def _block_table(self, group: list[ScheduledRequest]) -> torch.Tensor:
-        width = max(len(s.request.block_ids) for s in group)
-        table = [_held(s.request.block_ids) + [0] * (width - len(s.request.block_ids)) for s in group]
-        return torch.tensor(table, dtype=torch.int32, device=self.device)
-
-    def _seq_lens(self, group: list[ScheduledRequest]) -> torch.Tensor:
-        lens = [s.request.num_computed_tokens + s.num_new_tokens for s in group]
-        return torch.tensor(lens, dtype=torch.int32, device=self.device)
-
-    def _start_loc(self, group: list[ScheduledRequest]) -> torch.Tensor:
-        loc = [0]
-        for s in group:
-            loc.append(loc[-1] + s.num_new_tokens)
-        return torch.tensor(loc, dtype=torch.int32, device=self.device)
-
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> list[float]:
         """Log-prob of each token after the first given its prefix, in one cache-free pass."""
@@ -278,15 +259,6 @@ class ModelRunner:
                 row[int(token_ids[start + 1 + i])] = lp
                 rows.append(row)
         return rows
-
-
-def _held(block_ids: list[int]) -> list[int]:
-    """A request's blocks for the kernels' table: positions released behind a sliding window
-    (NULL_BLOCK, a leading run) point at block 0, which the window masks out (the kernels never read
-    them; the reference decode op may gather and mask them when it pads a bucket)."""
-    if block_ids and block_ids[0] < 0:
-        return [max(b, 0) for b in block_ids]
-    return block_ids
 
 
 def position_seed(seed: int, num_tokens: int, stream: int = 0) -> int:
