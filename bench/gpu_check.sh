@@ -9,7 +9,8 @@
 #   4. the kernel tests, compiled for the GPU (tests/triton_device.py moves their tensors there);
 #   5. bench.decode_profile: where a batch-1 decode step's time goes (CUDA launches, copies, syncs);
 #   6. bench.speculative at batch 1 and 4 (graphs replay ngram's verification steps);
-#   7. P/D on one GPU: tests/test_disagg.py's token-identity test through each connector.
+#   7. `tandem up` on the GPU (P and D share it over zmq), 8 req/s: where TTFT goes (bench.ttft_breakdown);
+#   8. P/D on one GPU: tests/test_disagg.py's token-identity test through each connector.
 # Each step has its own time limit and log (OUTDIR/<step>.log); a summary line per step is printed.
 #
 #     [STEPS="offline disagg"] bash bench/gpu_check.sh [OUTDIR]
@@ -50,6 +51,7 @@ step kernel_tests "${LIMIT_TESTS:-100}" $py -m pytest -q -p no:cacheprovider $xd
 step decode_profile "${LIMIT_PROFILE:-60}" $py -m bench.decode_profile
 step decode_profile_eager "${LIMIT_PROFILE:-60}" $py -m bench.decode_profile --enforce-eager
 step speculative "${LIMIT_SPEC:-150}" $py -m bench.speculative --batches 1,4 --rounds 4
+step serving "${LIMIT_SERVING:-150}" $py -m bench.ttft_breakdown --rate 8
 step disagg "${LIMIT_DISAGG:-150}" $py -m pytest -q -p no:cacheprovider $xdist tests/test_disagg.py \
     -k test_disaggregated_output_identical_and_decode_reuses_cache
 
