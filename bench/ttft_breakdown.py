@@ -82,6 +82,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--up-args", default="", help="more `tandem up` arguments, e.g. '--colocated'")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dump", help="write every request's stage times (ms, in send order) to this JSON file")
     a = p.parse_args()
     port, run_dir = free_port(), Path(tempfile.mkdtemp(prefix="ttft_breakdown-"))
     cmd = [str(Path(sys.executable).parent / "tandem"), "up", "--http-port", str(port), "--grpc-port", "0",
@@ -115,19 +116,22 @@ def main() -> None:
             events = {"client.first_chunk": first}
             for name, worker in ready["workers"].items():
                 events.update({f"{name}.{k.removesuffix('_ns')}": v for k, v in trace(worker["control"], rid).items()})
-            rows.append({k: (v - t0) / 1e6 for k, v in events.items() if v is not None})
+            rows.append({k: (v - t0) / 1e6 for k, v in events.items() if v is not None} | {"sent_ns": t0})
     finally:
         server.stop()
     def median(k: str) -> float:
         xs = sorted(r[k] for r in rows if k in r)
         return xs[len(xs) // 2]
-    stages = sorted({k for r in rows for k in r}, key=median)
+    rows.sort(key=lambda r: r["sent_ns"])  # send order (the client's CLOCK_MONOTONIC ns, kept in --dump)
+    stages = sorted({k for r in rows for k in r if k != "sent_ns"}, key=median)
     print(f"{len(rows)} requests, {a.rate:g} req/s, {a.input_len}-token prompts; ms after the client sent each")
     print(f"{'stage':<38} {'p50':>8} {'p90':>8} {'max':>8}")
     for k in stages:
         xs = sorted(r[k] for r in rows if k in r)
         print(f"{k:<38} {xs[len(xs) // 2]:8.1f} {xs[int(len(xs) * 0.9)]:8.1f} {xs[-1]:8.1f}")
     print(f"server log: {server.log}")
+    if a.dump:
+        Path(a.dump).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
