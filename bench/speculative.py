@@ -12,8 +12,8 @@ of held-out standard-library files (the files tools/train_tiny.py holds out: sor
   continues with text it has seen, which is what prompt lookup (ngram) can guess.
 - plain workload (--workload plain): the snippet alone (<= 256 tokens), no planted repetition.
 - decode tok/s counts only tokens produced after every request of the batch has its first token
-  (prefill excluded). At batch 16 speculation is forced on (spec_max_batch=16); with the default
-  spec_max_batch=8 the engine switches it off there and runs at the baseline speed.
+  (prefill excluded). Speculation is forced on at every batch (spec_max_batch = max(batch, 8)); with
+  the default (1 on a CPU, 8 on a GPU) the engine switches it off above that and runs at the baseline.
 - each configuration runs --repeats times (default 3), round-robin with the others, and the fastest run
   counts ("speedup"); "paired" is the median over repeats of each run's ratio to the baseline run of the
   same repeat. A run is --rounds consecutive batches (default 1) on different prompts, timed together
@@ -171,7 +171,7 @@ def main() -> None:
     plain = [tok.encode(s)[:256] for s in heldout_snippets(8, 1200)]
     for name, path in (("draft_model", draft), ("eagle", head)):
         _, _, stats = decode_run(model, plain, args.new_tokens, speculator=name, draft_model=path,
-                                 num_speculative_tokens=4)
+                                 num_speculative_tokens=4, spec_max_batch=len(plain))
         per_pos = [a / d if d else 0.0 for a, d in zip(stats["accepted_per_position"], stats["drafted_per_position"])]
         print(f"{name} vs target, greedy, K=4, {len(plain)} held-out prompts: acceptance rate "
               f"{stats['acceptance_rate']:.1%}, mean accepted length {stats['mean_accepted_length']:.2f}, "

@@ -34,7 +34,7 @@ class EngineConfig:
     speculator: str | None = None
     num_speculative_tokens: int = 4
     draft_model: str | None = None
-    spec_max_batch: int = 8
+    spec_max_batch: int | None = None  # None: 1 on a CPU (every speculator loses from batch 2 there), 8 on a GPU
     enforce_eager: bool = False  # no CUDA graphs for decode steps (tandem/engine/cuda_graphs.py); CPU: no effect
 
     def __post_init__(self) -> None:
@@ -54,6 +54,8 @@ class EngineConfig:
         # k + 1 query tokens must fit the runner's decode group (MAX_DECODE_QUERY_LEN = 16).
         if not 1 <= self.num_speculative_tokens <= 15:
             raise ValueError(f"num_speculative_tokens must be in [1, 15], got {self.num_speculative_tokens}")
+        if self.spec_max_batch is None:  # docs/PERFORMANCE.md: on a 2-core CPU ngram makes 0.87x at batch 2
+            self.spec_max_batch = 1 if self.torch_device.type == "cpu" else 8
         if self.spec_max_batch < 1:
             raise ValueError(f"spec_max_batch must be >= 1, got {self.spec_max_batch}")
         if self.speculator == "draft_model" and not self.draft_model:

@@ -198,7 +198,7 @@ def test_beam_search_with_a_speculator_is_refused_naming_the_field(ckpt):
     """The message starts with the HTTP field, so the router's 400 names `use_beam_search`."""
     from router_svc.errors import BadRequest
 
-    llm = LLM(ckpt, num_kv_blocks=256, max_model_len=512, speculator="ngram")
+    llm = LLM(ckpt, num_kv_blocks=256, max_model_len=512, spec_max_batch=8, speculator="ngram")
     with pytest.raises(ValueError, match="speculator") as err:
         llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=2, max_tokens=4))
     assert BadRequest.from_exception(err.value).param == "use_beam_search"

@@ -64,7 +64,7 @@ def test_speculative_steps_replay_and_hooked_steps_do_not(path):
     step eager, since a graph would skip it."""
     prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 7, [3, 4] * 9]  # repeating: ngram proposes
     greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-    llm = _llm(path, speculator="ngram", num_speculative_tokens=3)
+    llm = _llm(path, spec_max_batch=8, speculator="ngram", num_speculative_tokens=3)
     hooked = []
     llm.engine.runner.layer_hook = hooked.append
     eager = [o.token_ids for o in llm.generate(prompts, greedy)]
@@ -86,7 +86,7 @@ def test_eagle_steps_replay_with_the_hidden_state_cache():
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     runs = []
     for graphs in (False, True):
-        llm = LLM(speculator="eagle", dtype="float32")
+        llm = LLM(spec_max_batch=8, speculator="eagle", dtype="float32")
         llm.engine.runner.use_graphs = graphs
         first = llm.generate(prompts, greedy)
         second = llm.generate([o.prompt_token_ids + o.token_ids + [13] for o in first], greedy)

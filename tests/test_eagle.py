@@ -51,7 +51,7 @@ def heldout_code() -> list[str]:
 def test_greedy_identical_with_random_head_on_tiny_checkpoint(tiny):
     path, head = tiny
     prompts = repeating_prompts(seed=2)
-    llm = LLM(path, num_kv_blocks=128, max_model_len=256, speculator="eagle", draft_model=head,
+    llm = LLM(path, num_kv_blocks=128, max_model_len=256, spec_max_batch=8, speculator="eagle", draft_model=head,
               num_speculative_tokens=3)
     assert llm.engine.speculator.wants_hidden_states and llm.engine.runner.keep_hidden
     outs = llm.generate(prompts, GREEDY)
@@ -64,7 +64,7 @@ def test_greedy_identical_with_random_head_on_tiny_checkpoint(tiny):
 def test_greedy_identical_with_shipped_head_and_it_accepts(shipped):
     """`speculator="eagle"` and nothing else: the shipped head for the shipped model."""
     prompts, expected = shipped
-    llm = LLM(max_model_len=512, speculator="eagle")
+    llm = LLM(max_model_len=512, spec_max_batch=8, speculator="eagle")
     assert llm.engine.config.draft_model.endswith("tiny-eagle")
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     stats = llm.engine.speculator_stats()
@@ -82,7 +82,7 @@ def test_prefill_role_keeps_hidden_states_but_builds_no_head_until_it_decodes():
     from tandem.default_model import default_model_path
     from tandem.engine.llm_engine import LLMEngine
 
-    eng = LLMEngine(EngineConfig(model=default_model_path(), role="prefill", speculator="eagle",
+    eng = LLMEngine(EngineConfig(model=default_model_path(), role="prefill", spec_max_batch=8, speculator="eagle",
                                  max_model_len=512, num_kv_blocks=64))
     assert eng.speculator is None and eng.speculator_stats() == {}
     assert eng.runner.hidden_layers == 1 and eng.kv_layout.hidden_layers == 1
@@ -98,7 +98,7 @@ def test_dropped_target_states_are_read_from_the_cache(shipped):
     its head reads them back from the target's hidden-state cache layers (no target pass): same
     output, same acceptance."""
     prompts, expected = shipped
-    llm = LLM(max_model_len=512, speculator="eagle")
+    llm = LLM(max_model_len=512, spec_max_batch=8, speculator="eagle")
     llm.engine.speculator.runner.max_held_states = 8
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     stats = llm.engine.speculator_stats()
@@ -112,7 +112,8 @@ def test_hidden_state_layers_hold_the_targets_states(kv_cache_dtype, tol):
     """What the cache's hidden-state layers hold for a prompt (written by a chunked prefill, read back
     through its block table) is the target's final hidden states from a cache-free pass: exactly, or
     within int8 quantization error."""
-    llm = LLM(max_model_len=512, speculator="eagle", kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=32)
+    llm = LLM(max_model_len=512, spec_max_batch=8, speculator="eagle", kv_cache_dtype=kv_cache_dtype,
+              max_num_batched_tokens=32)
     eng, runner = llm.engine, llm.engine.runner
     assert runner.hidden_layers == 1 and eng.kv_layout.hidden_layers == 1  # hidden 256 = 2 x 4 heads x 32
     assert eng.kv_layout.num_layers == eng.model_config.num_layers + 1
@@ -136,7 +137,7 @@ def test_head_cache_follows_accepted_tokens(shipped):
     from plugins.eagle import EagleRunner
 
     prompts, _ = shipped
-    llm = LLM(max_model_len=512, speculator="eagle")
+    llm = LLM(max_model_len=512, spec_max_batch=8, speculator="eagle")
     eng, spec = llm.engine, llm.engine.speculator
     fresh = EagleRunner(eng.config.draft_model, target=eng.runner, target_config=eng.model_config,
                         dtype=torch.float32, device=torch.device("cpu"), block_size=16, max_model_len=512, k=4,
@@ -169,7 +170,7 @@ def test_preemption_keeps_output_identical(shipped):
     many = prompts * 2
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     ref = LLM(max_model_len=512, num_kv_blocks=48).generate(many, params)
-    llm = LLM(max_model_len=512, num_kv_blocks=48, speculator="eagle")
+    llm = LLM(max_model_len=512, num_kv_blocks=48, spec_max_batch=8, speculator="eagle")
     outs = llm.generate(many, params)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
@@ -276,7 +277,7 @@ def test_disaggregated_decode_worker_drafts_with_eagle(shipped, tmp_path):
     prefill, p_addr = start_worker("prefill", model, tmp_path, "--kv-connector", "zmq", "--speculator", "eagle")
     plain, plain_addr = start_worker("prefill", model, tmp_path, "--kv-connector", "zmq", name="plain")
     decode, d_addr = start_worker("decode", model, tmp_path, "--kv-connector", "zmq", "--local-prefill-threshold",
-                                  "0", "--speculator", "eagle")
+                                  "0", "--speculator", "eagle", "--spec-max-batch", "8")  # the prompts run at once
     try:
         client = Client(d_addr["control"])
         greedy = {"temperature": 0, "max_tokens": 32, "ignore_eos": True}

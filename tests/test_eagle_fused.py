@@ -70,7 +70,7 @@ def check_same(llm: LLM, prompts: list[list[int]], max_tokens: int, batch: int) 
 
 @pytest.fixture(scope="module")
 def shipped_llm():
-    llm = LLM(speculator="eagle", max_model_len=512)
+    llm = LLM(spec_max_batch=8, speculator="eagle", max_model_len=512)
     return llm, [llm.engine.tokenize(s) for s in heldout_code()]
 
 
@@ -91,7 +91,7 @@ def test_batch_with_unequal_catch_ups_drafts_the_same(shipped_llm):
 def test_random_head_on_tiny_checkpoint_drafts_the_same(tmp_path):
     path = make_checkpoint(str(tmp_path / "llama"), "llama")
     head = make_eagle_head(str(tmp_path / "head"), path)
-    llm = LLM(path, num_kv_blocks=128, max_model_len=256, speculator="eagle", draft_model=head,
+    llm = LLM(path, num_kv_blocks=128, max_model_len=256, spec_max_batch=8, speculator="eagle", draft_model=head,
               num_speculative_tokens=3)
     assert check_same(llm, repeating_prompts(seed=5), 24, batch=1) > 0
 

@@ -79,7 +79,8 @@ ENGINE_SCRIPT = textwrap.dedent("""
     prompts = [toks(20, 30), [7, 8, 9] * 10 + [7]]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     plain = [o.token_ids for o in LLM(path, num_kv_blocks=64, max_model_len=256).generate(prompts, greedy)]
-    spec = LLM(path, num_kv_blocks=64, max_model_len=256, speculator="repeat_last", num_speculative_tokens=3)
+    spec = LLM(path, num_kv_blocks=64, max_model_len=256, spec_max_batch=8, speculator="repeat_last",
+               num_speculative_tokens=3)
     outs = [o.token_ids for o in spec.generate(prompts, greedy)]
     s = type(spec.engine.speculator)
     print(json.dumps({"hits": hits, "policy": f"{policy_class.__module__}.{policy_class.__name__}",

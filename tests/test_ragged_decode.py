@@ -44,7 +44,8 @@ def run(path: str, prompts: list[list[int]], monkeypatch, max_rows: int) -> tupl
         return q, chosen
 
     monkeypatch.setattr(model_runner, "decode_group", spy)
-    llm = LLM(path, num_kv_blocks=128, max_model_len=256, speculator="ngram", num_speculative_tokens=4)
+    llm = LLM(path, num_kv_blocks=128, max_model_len=256, spec_max_batch=8, speculator="ngram",
+              num_speculative_tokens=4)
     eng, checked = llm.engine, [0]
     step = eng.step
 

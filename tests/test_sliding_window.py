@@ -103,7 +103,8 @@ def test_unchunked_prefill_and_speculation(mistral):
     expected = hf_greedy(mistral, prompts, NEW)
     whole = LLM(mistral, num_kv_blocks=64, max_model_len=1024, enable_chunked_prefill=False)
     assert [o.token_ids for o in whole.generate(prompts, greedy())] == expected
-    spec = LLM(mistral, num_kv_blocks=64, max_model_len=1024, speculator="ngram", num_speculative_tokens=3)
+    spec = LLM(mistral, num_kv_blocks=64, max_model_len=1024, spec_max_batch=8, speculator="ngram",
+               num_speculative_tokens=3)
     assert [o.token_ids for o in spec.generate(prompts, greedy())] == expected
 
 

@@ -60,7 +60,8 @@ def arch_case(request, tmp_path_factory):
 @pytest.mark.parametrize("speculator", ["none", "ngram", "draft_model"])
 def test_greedy_identical_with_and_without_speculation(arch_case, speculator):
     path, draft, prompts, expected = arch_case
-    opts = {} if speculator == "none" else dict(speculator=speculator, draft_model=draft, num_speculative_tokens=3)
+    opts = {} if speculator == "none" else dict(speculator=speculator, draft_model=draft, num_speculative_tokens=3,
+                                                spec_max_batch=8)
     llm = LLM(path, num_kv_blocks=128, max_model_len=256, **opts)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
@@ -79,7 +80,8 @@ def llama(tmp_path_factory):
 
 def test_ngram_accepts_on_repeating_text(llama):
     path, _ = llama
-    llm = LLM(path, num_kv_blocks=128, max_model_len=256, speculator="ngram", num_speculative_tokens=4)
+    llm = LLM(path, num_kv_blocks=128, max_model_len=256, spec_max_batch=8, speculator="ngram",
+              num_speculative_tokens=4)
     llm.generate(repeating_prompts(seed=3)[:2], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
     stats = llm.engine.speculator_stats()
     assert stats["num_accepted_tokens"] > 0 and stats["mean_accepted_length"] > 0
@@ -102,7 +104,7 @@ def test_preemption_stop_tokens_and_logprobs_under_speculation(llama):
         [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 5
     ref = base_llm.generate(prompts, params)
     for name in ("ngram", "draft_model"):
-        llm = LLM(path, num_kv_blocks=14, max_model_len=128, speculator=name, draft_model=draft)
+        llm = LLM(path, num_kv_blocks=14, max_model_len=128, spec_max_batch=8, speculator=name, draft_model=draft)
         outs = llm.generate(prompts, params)
         assert llm.engine.scheduler.num_preemptions > 0
         assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
@@ -119,7 +121,7 @@ def test_stop_string_inside_an_accepted_run_cuts_tokens_too(llama):
     path, draft = llama
     prompt = repeating_prompts(seed=3)[0]
     greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    llm = LLM(path, num_kv_blocks=128, max_model_len=256, speculator="ngram")
+    llm = LLM(path, num_kv_blocks=128, max_model_len=256, spec_max_batch=8, speculator="ngram")
     eng, runs = llm.engine, []
     eng.add_request(None, prompt, greedy)
     while eng.has_unfinished_requests():
@@ -133,7 +135,7 @@ def test_stop_string_inside_an_accepted_run_cuts_tokens_too(llama):
     want = LLM(path, num_kv_blocks=128, max_model_len=256).generate([prompt], params)[0]
     assert want.finish_reason == "stop" and len(want.token_ids) < 48
     for name in ("ngram", "draft_model"):
-        spec_llm = LLM(path, num_kv_blocks=128, max_model_len=256, speculator=name, draft_model=draft)
+        spec_llm = LLM(path, num_kv_blocks=128, max_model_len=256, spec_max_batch=8, speculator=name, draft_model=draft)
         got = spec_llm.generate([prompt], params)[0]
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, "stop")
 
@@ -145,8 +147,8 @@ def test_tight_token_budget_drops_speculation_without_changing_output(llama):
     prompts = repeating_prompts(seed=17)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ref = [o.token_ids for o in LLM(path, num_kv_blocks=128, max_model_len=256).generate(prompts, params)]
-    llm = LLM(path, num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=8, speculator="draft_model",
-              draft_model=draft)
+    llm = LLM(path, num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=8, spec_max_batch=8,
+              speculator="draft_model", draft_model=draft)
     assert [o.token_ids for o in llm.generate(prompts, params)] == ref
     assert llm.engine.speculator_stats()["num_verifications"] > 0
     check_clean(llm)
@@ -158,7 +160,7 @@ def test_sampling_with_speculation_is_reproducible_per_seed(llama):
     for name in ("ngram", "draft_model"):
         runs = []
         for _ in range(2):
-            llm = LLM(path, num_kv_blocks=128, max_model_len=256, speculator=name, draft_model=draft)
+            llm = LLM(path, num_kv_blocks=128, max_model_len=256, spec_max_batch=8, speculator=name, draft_model=draft)
             runs.append([o.token_ids for o in llm.generate(repeating_prompts(seed=7)[:2], params)])
             assert llm.engine.speculator_stats()["num_verifications"] > 0
             check_clean(llm)
@@ -177,7 +179,7 @@ def test_draft_cache_follows_accepted_tokens(llama):
     from plugins.draft_model import DraftModelRunner
 
     path, draft = llama
-    llm = LLM(path, num_kv_blocks=128, max_model_len=256, speculator="draft_model", draft_model=draft)
+    llm = LLM(path, num_kv_blocks=128, max_model_len=256, spec_max_batch=8, speculator="draft_model", draft_model=draft)
     spec = llm.engine.speculator
     fresh = DraftModelRunner(draft, target_path=path, target_vocab_size=512, dtype=torch.float32,
                              device=torch.device("cpu"), block_size=16, max_model_len=256, k=4, max_seqs=8)
@@ -201,10 +203,29 @@ def test_draft_cache_follows_accepted_tokens(llama):
     assert 0 < stats["num_accepted_tokens"] < stats["num_drafted_tokens"]  # rejections happened
     check_clean(llm)
 
-    same = LLM(path, num_kv_blocks=128, max_model_len=256, speculator="draft_model", draft_model=path)
+    same = LLM(path, num_kv_blocks=128, max_model_len=256, spec_max_batch=8, speculator="draft_model", draft_model=path)
     same.generate(repeating_prompts(seed=13), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     assert same.engine.speculator_stats()["acceptance_rate"] == 1.0
     check_clean(same)
+
+
+def test_speculation_defaults_to_batch_one_on_a_cpu(llama):
+    """Measured on a 2-core CPU, every speculator is slower than none from batch 2 on (ngram 0.87x,
+    eagle 0.57x, draft_model 0.40x: docs/PERFORMANCE.md), so by default a CPU engine speculates
+    only for a lone request; a GPU keeps 8; an explicit value stands."""
+    from tandem.config import EngineConfig
+
+    path, _ = llama
+    assert EngineConfig(model=path, speculator="ngram", device="cpu").spec_max_batch == 1
+    assert EngineConfig(model=path, speculator="ngram", device="cuda").spec_max_batch == 8
+    assert EngineConfig(model=path, speculator="ngram", spec_max_batch=3).spec_max_batch == 3
+    with pytest.raises(ValueError, match="spec_max_batch"):
+        EngineConfig(model=path, speculator="ngram", spec_max_batch=0)
+    llm = LLM(path, num_kv_blocks=128, max_model_len=256, speculator="ngram", device="cpu")
+    llm.generate(repeating_prompts(seed=9)[:2], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert llm.engine.runner.spec_stats.num_verifications == 0  # two at once: never speculated
+    llm.generate(repeating_prompts(seed=9)[:1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert llm.engine.runner.spec_stats.num_verifications > 0  # alone: it does
 
 
 def test_dynamic_speculation_switches_off_above_threshold(llama):
@@ -266,7 +287,7 @@ def test_greedy_matches_transformers_with_llama3_rope_and_draft(tmp_path):
     path = make_checkpoint(str(tmp_path / "t"), "llama3")
     draft = perturbed_copy(path, str(tmp_path / "d"), scale=0.002)
     prompts = repeating_prompts(seed=11)[:2]
-    llm = LLM(path, num_kv_blocks=64, max_model_len=256, speculator="draft_model", draft_model=draft)
+    llm = LLM(path, num_kv_blocks=64, max_model_len=256, spec_max_batch=8, speculator="draft_model", draft_model=draft)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 16)
     check_clean(llm)

@@ -18,7 +18,7 @@ _HELP = {
     "num_speculative_tokens": "tokens proposed per step when speculating (1-15)",
     "draft_model": ("draft checkpoint for --speculator draft_model, or EAGLE head directory for --speculator eagle "
                     "(default: the built-in draft model / head)"),
-    "spec_max_batch": "speculate only while at most this many requests are running",
+    "spec_max_batch": "speculate only while at most this many requests are running (default: 1 on a CPU, 8 on a GPU)",
     "enforce_eager": "GPU: run every decode step eagerly instead of replaying CUDA graphs (no effect on CPU)",
     "max_num_seqs": "most requests in one continuous batch",
     "max_num_batched_tokens": "token budget of one step (chunked-prefill chunk size)",
