@@ -99,7 +99,7 @@ _ENGINE_SCRIPT = textwrap.dedent("""
     print(json.dumps(results))
 """)
 ENGINE_VARIANTS = [{}, {"kv_cache_dtype": "int8"}, {"kv_cache_dtype": "fp8_e4m3"},
-                   {"speculator": "ngram", "num_speculative_tokens": 3}]
+                   {"speculator": "ngram", "num_speculative_tokens": 3, "spec_max_batch": 8}]
 
 
 def _engine_run(model_dir: str, kernels: str, variants: list[dict]) -> list[list[list[int]]]:

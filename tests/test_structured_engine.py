@@ -61,10 +61,10 @@ def test_constrained_greedy_equals_masked_transformers_argmax(ckpt, llm, spec):
 def test_every_seeded_sample_validates(ckpt, tmp_path_factory, speculator):
     options = {}
     if speculator == "ngram":
-        options = {"speculator": "ngram", "num_speculative_tokens": 3}
+        options = {"speculator": "ngram", "num_speculative_tokens": 3, "spec_max_batch": 16}
     elif speculator == "draft":
         draft = make_checkpoint(str(tmp_path_factory.mktemp("draft") / "draft"), seed=7, num_hidden_layers=1)
-        options = {"speculator": "draft_model", "draft_model": draft, "num_speculative_tokens": 3}
+        options = {"speculator": "draft_model", "draft_model": draft, "num_speculative_tokens": 3, "spec_max_batch": 16}
     llm = LLM(ckpt, num_kv_blocks=512, **options)
     prompts = ["x = ", "# config\n", "def f():\n    "]
     for spec, valid in SPECS:
@@ -73,6 +73,8 @@ def test_every_seeded_sample_validates(ckpt, tmp_path_factory, speculator):
         for o in outs:
             assert o.finish_reason == "stop", (spec, o.text)
             assert valid(o.text), (spec, o.text)
+    if speculator is not None:  # all twelve at once, verifying drafts under the grammar
+        assert llm.engine.runner.spec_stats.num_verifications > 0
 
 
 @pytest.mark.parametrize("cut", [{}, {"min_p": 1e-12}], ids=["checked-after", "masked-before"])
