@@ -1,9 +1,13 @@
-"""Engine options as CLI flags, derived from EngineConfig's fields so the two never drift apart."""
+"""Engine options as CLI flags, derived from EngineConfig's fields so the two never drift apart: the parser's
+arguments, the config built from them, the model path they name, and the flags `tandem up` and `tandem launch`
+forward to their workers."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+from functools import lru_cache
 
 from tandem.config import EngineConfig
 
@@ -60,3 +64,36 @@ def resolve_model(path: str | None) -> str:
     from tandem.default_model import default_model_path
 
     return default_model_path()
+
+
+@lru_cache(maxsize=1)
+def engine_actions() -> dict[str, argparse.Action]:
+    """The engine flags every worker takes, by dest (what `add_engine_args` defines)."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_args(probe)
+    return {a.dest: a for a in probe._actions}
+
+
+def engine_flags(values: dict) -> list[str]:
+    """Worker flags for the engine options in `values` (by dest) that differ from the defaults."""
+    flags: list[str] = []
+    for dest, action in engine_actions().items():
+        value = values.get(dest, action.default)
+        if value == action.default:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            flags.append(action.option_strings[0] if value else action.option_strings[1])
+        else:
+            flags += [action.option_strings[0], str(value)]
+    return flags
+
+
+def resolve_model_path(path: str | None) -> str:
+    """An existing local checkpoint directory (the built-in model when `path` is None)."""
+    try:
+        resolved = resolve_model(path)
+    except FileNotFoundError as exc:  # the default model is missing: say so as bad input, not a traceback
+        raise ValueError(str(exc)) from None
+    if not os.path.isdir(resolved):
+        raise ValueError(f"--model {path}: no such checkpoint directory")
+    return os.path.abspath(resolved)

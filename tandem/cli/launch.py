@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.cli import cpus
+from tandem.cli.engine_args import engine_flags
 from tandem.cli.launch_config import LOCAL_HOSTS, LOCAL_SECRET, load_cluster
 from tandem.cli.launch_ssh import preflight, remote_command, remote_python, ssh_prefix
-from tandem.cli.supervise import Supervisor, engine_flags, run_supervised, wait_healthy
+from tandem.cli.supervise import Supervisor, run_supervised, wait_healthy
 
 
 def register(sub: argparse._SubParsersAction) -> None:

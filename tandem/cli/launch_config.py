@@ -9,7 +9,7 @@ import argparse
 from typing import Any
 
 from tandem.cli import cpus
-from tandem.cli.supervise import engine_actions
+from tandem.cli.engine_args import engine_actions
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 CONNECTORS = ("zmq", "shm", "torch_dist", "none")

@@ -12,7 +12,6 @@ start-up lines the ready checks search.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -27,7 +26,6 @@ import urllib.error
 import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Callable
 
 STOP_GRACE_S = 40.0  # SIGTERM -> SIGKILL: the services' default drain (30 s) and a margin
@@ -265,40 +263,3 @@ def print_ready(label: str, summary: str, info: dict) -> None:
               "tandem-up-ready " + json.dumps({"http": http, "grpc": grpc_target, "model": model, "metrics": metrics,
                                                "workers": info.get("workers", {})})]
     print("\n".join(lines), flush=True)
-
-
-@lru_cache(maxsize=1)
-def engine_actions() -> dict[str, argparse.Action]:
-    """The engine flags every worker takes, by dest (what `add_engine_args` defines)."""
-    from tandem.cli.engine_args import add_engine_args
-
-    probe = argparse.ArgumentParser(add_help=False)
-    add_engine_args(probe)
-    return {a.dest: a for a in probe._actions}
-
-
-def engine_flags(values: dict) -> list[str]:
-    """Worker flags for the engine options in `values` (by dest) that differ from the defaults."""
-    flags: list[str] = []
-    for dest, action in engine_actions().items():
-        value = values.get(dest, action.default)
-        if value == action.default:
-            continue
-        if isinstance(action, argparse.BooleanOptionalAction):
-            flags.append(action.option_strings[0] if value else action.option_strings[1])
-        else:
-            flags += [action.option_strings[0], str(value)]
-    return flags
-
-
-def resolve_model_path(path: str | None) -> str:
-    """An existing local checkpoint directory (the built-in model when `path` is None)."""
-    from tandem.cli.engine_args import resolve_model
-
-    try:
-        resolved = resolve_model(path)
-    except FileNotFoundError as exc:  # the default model is missing: say so as bad input, not a traceback
-        raise ValueError(str(exc)) from None
-    if not os.path.isdir(resolved):
-        raise ValueError(f"--model {path}: no such checkpoint directory")
-    return os.path.abspath(resolved)

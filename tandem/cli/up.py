@@ -35,15 +35,9 @@ import threading
 import time
 
 from tandem.cli import cpus
-from tandem.cli.engine_args import add_engine_args, add_model_arg
+from tandem.cli.engine_args import add_engine_args, add_model_arg, engine_flags, resolve_model_path
 from tandem.cli.keys import add_link_args
-from tandem.cli.supervise import (
-    Supervisor,
-    engine_flags,
-    resolve_model_path,
-    run_supervised,
-    wait_healthy,
-)
+from tandem.cli.supervise import Supervisor, run_supervised, wait_healthy
 
 TETHER_GRACE_S = 15.0  # a tethered child that has not exited this long after its parent vanished is killed
 
