@@ -95,3 +95,25 @@ def test_eagle_steps_replay_with_the_hidden_state_cache():
     (eager, accepted_eager, none), (graphed, accepted, used) = runs
     assert none is None and used is not None and any(q > 1 for _, q in used.graphs), used and used.graphs
     assert graphed == eager and accepted == accepted_eager > 0
+
+
+def test_a_capture_that_fails_falls_back_to_eager(path, monkeypatch):
+    """An op that cannot be captured (a plugin reading a value back mid-forward, say) must cost speed,
+    not requests: the first capture fails, graphs go off for these caches with a warning, every step
+    runs eagerly and the tokens are transformers'."""
+    prompts = [[(5 * j) % 400 + 3 for j in range(n)] for n in (9, 30, 14)]
+    llm = _llm(path)
+    runner = llm.engine.runner
+    tries = []
+
+    def refuse(self, ids, pos, meta):
+        tries.append(ids.shape[0])
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "_record", refuse)
+    runner.decode_graphs = cuda_graphs.DecodeGraphs(runner.forward, runner.ops, runner.kv_caches, runner.kv_scales,
+                                                    runner.device, runner.max_blocks_per_seq, capture=True)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf_greedy(path, prompts, NEW)
+    assert len(tries) == 1 and runner.decode_graphs.failed and runner.decode_graphs.replays == 0
+    llm.engine.check_invariants()

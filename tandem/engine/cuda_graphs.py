@@ -15,18 +15,22 @@ block tables at the full width of max_model_len, sequence lengths); its output t
 the next replay, so callers consume it before the next step. Each (size, Q) is captured the first
 time a step needs it (Triton compiles and cuBLAS warms up on a side stream first), all into one memory
 pool. `capture=False` runs the same padded buffers eagerly: the CPU tests check the padding that way.
-`EngineConfig.enforce_eager` (vLLM's name) turns graphs off.
+A capture the driver refuses (an op that talks to the host mid-forward, say a plugin's quantizer that
+reads a value back) turns graphs off for these caches with a warning, and steps run eagerly: nothing
+is lost but speed. `EngineConfig.enforce_eager` (vLLM's name) turns graphs off.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from tandem.engine.decode_group import MAX_DECODE_QUERY_LEN
 from tandem.layers.attention import AttentionMetadata
 
+log = structlog.get_logger(__name__)
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 MAX_ROWS = 256  # size x Q of the largest graph: past it a step is long enough to launch eagerly
 
@@ -52,6 +56,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.pool = None
         self.replays = 0  # steps served by a graph (tests and the profile read it)
+        self.failed = False  # a capture failed: these caches' steps run eagerly
 
     def fits(self, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None) -> bool:
         """The graphs baked these cache tensors' addresses in: any other tensors need new graphs."""
@@ -63,9 +68,9 @@ class DecodeGraphs:
         return size if size is not None and size * q <= MAX_ROWS else None
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            lens: list[int], q: int = 1) -> torch.Tensor:
-        """The decode forward of len(tables) queries of q tokens each (input rows request by request);
-        returns hidden states [len(input_ids), hidden]."""
+            lens: list[int], q: int = 1) -> torch.Tensor | None:
+        """The decode forward of len(tables) queries of q tokens each (input rows request by request):
+        hidden states [len(input_ids), hidden]; None if the graph could not be captured (run it eagerly)."""
         b, rows = len(tables), len(input_ids)
         size = self.size_for(b, q)
         assert size is not None and rows == b * q and all(len(t) <= self.tables.shape[1] for t in tables)
@@ -81,8 +86,10 @@ class DecodeGraphs:
         self.tables[:b, :width].copy_(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32))
         self.tables[b:size, 0] = 0
         self.tables[:size, width:] = 0
-        self.replays += 1
         captured = self.graphs.get((size, q)) or self._capture(size, q)
+        if captured is None:
+            return None
+        self.replays += 1
         if captured.graph is None:  # eager, with fresh metadata: the reference ops cache their plan by identity
             return self.forward(self.input_ids[:size * q], self.positions[:size * q], self._meta(size, q))[:rows]
         captured.graph.replay()
@@ -95,9 +102,9 @@ class DecodeGraphs:
             decode_seq_lens=self.lens[:size], prefill_block_tables=None, prefill_query_start_loc=None,
             prefill_seq_lens=None, layer_hook=None)
 
-    def _capture(self, size: int, q: int) -> _Captured:
+    def _capture(self, size: int, q: int) -> _Captured | None:
         """Capture with harmless inputs (no K/V written; every request attends Q tokens of block 0),
-        then put back the step's own, already copied in."""
+        then put back the step's own, already copied in. None (and `failed`) if the capture fails."""
         if not self.capture:
             self.graphs[(size, q)] = _Captured(None, None)
             return self.graphs[(size, q)]
@@ -107,7 +114,19 @@ class DecodeGraphs:
         self.slots[:size * q] = -1
         self.lens[:size] = q
         self.tables[:size] = 0
-        meta, ids, pos = self._meta(size, q), bufs[0], bufs[1]
+        try:
+            self.graphs[(size, q)] = self._record(bufs[0], bufs[1], self._meta(size, q))
+        except RuntimeError as exc:
+            self.failed = True
+            log.warning("CUDA graph capture failed: decode steps run eagerly", batch=size, query_len=q,
+                        error=str(exc)[:300])
+            return None
+        finally:
+            for buf, value in zip(bufs, saved):
+                buf.copy_(value)
+        return self.graphs[(size, q)]
+
+    def _record(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> _Captured:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compiles and warms up outside the capture
@@ -118,10 +137,7 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             hidden = self.forward(ids, pos, meta)
         self.pool = graph.pool()
-        for buf, value in zip(bufs, saved):
-            buf.copy_(value)
-        self.graphs[(size, q)] = _Captured(graph, hidden)
-        return self.graphs[(size, q)]
+        return _Captured(graph, hidden)
 
 
 def graphs_for(runner, decode: list, prefill: list, decode_q: int) -> DecodeGraphs | None:
@@ -131,6 +147,8 @@ def graphs_for(runner, decode: list, prefill: list, decode_q: int) -> DecodeGrap
             or DecodeGraphs.size_for(len(decode), decode_q) is None):
         return None
     graphs = runner.decode_graphs
+    if graphs is not None and graphs.failed and graphs.fits(runner.kv_caches, runner.kv_scales):
+        return None
     if graphs is None or not graphs.fits(runner.kv_caches, runner.kv_scales):
         graphs = runner.decode_graphs = DecodeGraphs(runner.forward, runner.ops, runner.kv_caches, runner.kv_scales,
                                                      runner.device, runner.max_blocks_per_seq,

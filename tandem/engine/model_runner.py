@@ -89,11 +89,11 @@ class ModelRunner:
                 sample_rows.append((s, len(input_ids) - k, k))
         dev = self.device
         plain_masks = self._start_masks(sample_rows)  # grammar masks are computed while the model runs
-        graphs = graphs_for(self, decode, prefill, decode_q)
+        graphs, hidden = graphs_for(self, decode, prefill, decode_q), None
         if graphs is not None:
             hidden = graphs.run(input_ids, positions, slots, [held(s.request.block_ids) for s in decode],
                                 [s.request.num_computed_tokens + s.num_new_tokens for s in decode], decode_q)
-        else:
+        if hidden is None:  # eager: no graph for this step, or its capture failed
             hidden = self.forward(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
                                   step_metadata(self, decode, prefill, decode_q, slots))
         # Copies, so a speculator holding a few rows does not keep the whole step's tensor alive.
