@@ -173,9 +173,9 @@ class _Allow:
 
 
 def test_best_allowed_is_the_masked_argmax_or_declines():
-    """The candidates after a refused argmax give exactly the masked argmax, ties by lowest index, and
-    decline (None: the row gets a mask) only when no candidate is allowed; the C pass and the torch
-    order (the fallback) agree."""
+    """A greedy row's best candidates give exactly the masked argmax (the argmax itself when allowed),
+    ties by lowest index, and decline (None: the row gets a mask) only when no candidate is allowed;
+    the C pass and the torch order (the fallback) agree."""
     import torch
 
     from kernels import fused
@@ -186,24 +186,24 @@ def test_best_allowed_is_the_masked_argmax_or_declines():
     for _ in range(200):  # random rows with many ties: compare with argmax over the masked row
         row = torch.randint(0, 6, (1, 40), generator=gen).float()
         allowed = set(torch.randperm(40, generator=gen)[:int(torch.randint(1, 40, (1,), generator=gen))].tolist())
-        refused = int(row.argmax())
-        if refused in allowed:
-            continue
         masked = torch.full_like(row, float("-inf"))
         masked[0, sorted(allowed)] = row[0, sorted(allowed)]
         order = torch.sort(row[0], descending=True, stable=True).indices.tolist()  # argmax's order, ties by index
         expect = int(masked.argmax()) if int(masked.argmax()) in order[:CANDIDATES] else None
-        assert best_allowed(row, [0], [_Allow(allowed)], [refused]) == [expect]
+        assert best_allowed(row, [0], [_Allow(allowed)]) == [expect]
         found_some += expect is not None
     assert found_some > 50
     flat = torch.ones(1, 3 * CANDIDATES)
     flat[0, -1] = 2.0  # the argmax, refused; every other token ties: lowest index first
-    assert best_allowed(flat, [0], [_Allow({0})], [3 * CANDIDATES - 1]) == [0]
-    assert best_allowed(flat, [0], [_Allow({CANDIDATES - 1, 3})], [3 * CANDIDATES - 1]) == [3]
-    assert best_allowed(flat, [0], [_Allow({CANDIDATES})], [3 * CANDIDATES - 1]) == [None]  # past the K
+    assert best_allowed(flat, [0], [_Allow({3 * CANDIDATES - 1, 0})]) == [3 * CANDIDATES - 1]  # the argmax, allowed
+    assert best_allowed(flat, [0], [_Allow({0})]) == [0]
+    assert best_allowed(flat, [0], [_Allow({CANDIDATES - 1, 3})]) == [3]
+    assert best_allowed(flat, [0], [_Allow({CANDIDATES})]) == [None]  # past the K
     flat[0, 5] = float("nan")  # argmax is the first NaN: no candidate can stand for the masked one
-    assert best_allowed(flat, [0], [_Allow({0})], [5]) == [None]
-    assert best_allowed(torch.tensor([[3.0, 1.0, 3.0]]), [0], [_Allow({2, 1})], [0]) == [2]  # k covers the row
+    assert best_allowed(flat, [0], [_Allow({0})]) == [None]
+    assert best_allowed(torch.tensor([[3.0, 1.0, 3.0]]), [0], [_Allow({2, 1})]) == [2]  # k covers the row
+    two = torch.tensor([[0.0, 5.0, 1.0], [7.0, 2.0, 9.0]])  # rows picked out of order, each its own state
+    assert best_allowed(two, [1, 0], [_Allow({0, 1}), _Allow({2})]) == [0, 2]
     rows = torch.randint(0, 4, (6, 50), generator=gen).float()
     native = fused.topk_rows(rows, [4, 0, 2], CANDIDATES)
     fused.ALLOWED, saved = False, fused.ALLOWED

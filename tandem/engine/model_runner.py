@@ -8,6 +8,7 @@ returned per request id, so the order never leaks out.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -136,23 +137,28 @@ class ModelRunner:
         states = [plain[i].grammar for i in constrained]
         return constrained, states[0].grammars.allowed_batch_async(states)
 
-    def _check_grammar(self, reqs: list[Any], rows: torch.Tensor, tokens: list[int], masked: list[int]
-                       ) -> list[int]:
-        """Rows under a grammar sampled unmasked (greedy or temperature alone): a token the grammar
-        allows stands; the others are drawn again from their masked row. Exact: greedy's argmax is
-        the masked argmax when it is allowed, and for sampling, P(x) = p(x) + (1 - Z) p(x) / Z = p(x) / Z
-        for an allowed x (Z = the allowed mass): the masked, renormalised distribution. A model that
-        mostly follows its grammar then costs a check per row instead of a mask per row."""
+    def _check_grammar(self, reqs: list[Any], rows: torch.Tensor, masked: list[int], sample: Any) -> list[int]:
+        """Tokens for the plain rows `rows` (one per request of `reqs`; the rows `masked` were masked
+        before sampling). A greedy row under a grammar takes the best of its top tokens that the
+        grammar allows (structured.best_allowed: no mask, no separate argmax); other rows sample
+        (`sample(row indices)`), and a temperature row under a grammar keeps its token if the grammar
+        allows it. The rest are drawn again from their masked row. Exact: greedy's pick is the masked
+        argmax, and for sampling, P(x) = p(x) + (1 - Z) p(x) / Z = p(x) / Z for an allowed x (Z = the
+        allowed mass): the masked, renormalised distribution. A model that mostly follows its grammar
+        then costs a check per row instead of a mask per row."""
         skip = set(masked)
         checked = [i for i, r in enumerate(reqs) if r.grammar is not None and i not in skip]
-        refused = [i for i in checked if not reqs[i].grammar.allows(tokens[i])]
-        greedy = [i for i in refused if reqs[i].params.greedy]
-        if greedy:  # the next best tokens, in order, are usually enough: still no mask
-            best = structured.best_allowed(rows, greedy, [reqs[i].grammar for i in greedy], [tokens[i] for i in greedy])
-            for i, token in zip(greedy, best):
-                if token is not None:
-                    tokens[i] = token
-                    refused.remove(i)
+        greedy = [i for i in checked if reqs[i].params.greedy]
+        others = [i for i in range(len(reqs)) if i not in greedy] if greedy else list(range(len(reqs)))
+        tokens: list[int] = [0] * len(reqs)
+        for i, token in zip(others, sample(others) if others else ()):
+            tokens[i] = token
+        refused = [i for i in checked if i in others and not reqs[i].grammar.allows(tokens[i])]
+        for i, token in zip(greedy, structured.best_allowed(rows, greedy, [reqs[i].grammar for i in greedy])):
+            if token is None:
+                refused.append(i)
+            else:
+                tokens[i] = token
         for i in checked:
             reqs[i].grammar.record(i in refused)
         if not refused:
@@ -205,11 +211,18 @@ class ModelRunner:
             if plain_masks is not None:  # structured outputs: only what each grammar allows next
                 masked, pending = plain_masks
                 structured.mask_rows(rows, pending.result(), pending.vocab_size, masked)  # rows: a copy
-            tokens = sampler.sample(rows, [r.params for r in reqs], [r.generator for r in reqs], self.generator)
             if any(r.grammar is not None for r in reqs):
-                tokens = self._check_grammar(reqs, rows, tokens, masked)
+                tokens = self._check_grammar(reqs, rows, masked, partial(self._sample_rows, rows, reqs))
+            else:
+                tokens = sampler.sample(rows, [r.params for r in reqs], [r.generator for r in reqs], self.generator)
             sampled.update((r.request_id, [t]) for r, t in zip(reqs, tokens))
         return StepResult(sampled, per_req)
+
+    def _sample_rows(self, rows: torch.Tensor, reqs: list[Any], picked: list[int]) -> list[int]:
+        """sampler.sample over the rows `picked` of `rows` (one request each)."""
+        part = rows if len(picked) == rows.shape[0] else rows[picked]
+        return sampler.sample(part, [reqs[i].params for i in picked], [reqs[i].generator for i in picked],
+                              self.generator)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> list[float]:

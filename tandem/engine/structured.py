@@ -203,20 +203,19 @@ def checks_first(params: Any) -> bool:
     return params.greedy or (params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0)
 
 
-CANDIDATES = 8  # greedy rows refused their argmax try this many next-best tokens before a mask
+CANDIDATES = 8  # greedy rows under a grammar try their this many best tokens before a mask
 
 
-def best_allowed(rows: torch.Tensor, picked: list[int], states: list[GrammarState], refused: list[int]
-                 ) -> list[int | None]:
-    """For each of the rows `picked`, the masked argmax found among its CANDIDATES best tokens, or None
-    (the caller masks the row); `refused` holds each one's token the grammar refused already.
-    Exact, ties included: the candidates come in the order argmax (the first maximum) would pick
-    them were the ones before masked out — value desc, index asc (fused.topk_rows) — so the first one
-    the grammar allows is the masked argmax."""
-    out: list[int | None] = []
-    for candidates, state, known in zip(fused.topk_rows(rows, picked, min(CANDIDATES, rows.shape[1])), states, refused):
-        out.append(next((t for t in candidates or () if t != known and state.allows(t)), None))
-    return out
+def best_allowed(rows: torch.Tensor, picked: list[int], states: list[GrammarState]) -> list[int | None]:
+    """For each of the greedy rows `picked`, the masked argmax found among its CANDIDATES best tokens,
+    or None (the caller masks the row). One pass over the row ranks them, in place of the argmax
+    (a model that fights its grammar has its argmax refused on most steps: a second pass for the
+    next best cost as much again). Exact, ties included: the candidates come in the order argmax
+    (the first maximum) would pick them were the ones before masked out — value desc, index asc
+    (fused.topk_rows) — so the first one the grammar allows is the masked argmax. A row holding a
+    NaN has no candidates (its argmax is the first NaN): None."""
+    ranked = fused.topk_rows(rows, picked, min(CANDIDATES, rows.shape[1]))
+    return [next((t for t in candidates or () if state.allows(t)), None) for candidates, state in zip(ranked, states)]
 
 
 class PendingMasks:
