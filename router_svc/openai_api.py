@@ -5,7 +5,8 @@ Field mapping: max_tokens (chat: max_completion_tokens or max_tokens), temperatu
 at the router: each choice is its own request, with seed + i when a seed is given; best_of only = n),
 prompt (a string, token ids, or a batch of either: choices are prompt-major), stop (str or list), seed,
 logprobs (+ top_logprobs for chat), stream, stream_options.include_usage,
-response_format / structured_outputs / guided_* (router_svc/structured_request.py);
+response_format / structured_outputs / guided_* (router_svc/structured_request.py); tools, tool_choice
+and parallel_tool_calls (router_svc/tool_calls.py);
 presence_penalty, frequency_penalty, logit_bias; tandem (vLLM) extras: top_k, min_p, ignore_eos, stop_token_ids,
 repetition_penalty, min_tokens; use_beam_search with n as the beam width, length_penalty, early_stopping
 (router_svc/beam_request.py). Parameters tandem does not implement are accepted only at their neutral
@@ -22,13 +23,14 @@ from router_svc.errors import BadRequest
 from router_svc.openai_models import validate_body
 from router_svc.prompts import ServedModel
 from router_svc.structured_request import structured_from_body
+from router_svc.tool_calls import ToolPlan, tool_plan
 from tandem.sampling_params import BeamSearchParams, SamplingParams
 
 SAMPLING_NAMES = frozenset(SamplingParams.__dataclass_fields__)
 # Parameter -> the values that mean "not used" (anything else is refused, not silently ignored).
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
-    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),  # the deprecated forms of tools / tool_choice
 }
 _EXTRAS = ("top_k", "min_p", "ignore_eos", "stop_token_ids", "repetition_penalty", "min_tokens")
 _PENALTIES = ("presence_penalty", "frequency_penalty", "logit_bias")
@@ -51,6 +53,7 @@ class ParsedRequest:
     drop_output: bool = False
     # use_beam_search: one request per prompt (params has one entry per prompt), answered with n hypotheses
     beam: BeamSearchParams | None = None
+    tools: ToolPlan | None = None  # chat under tool_choice "required" or a named function
 
     @property
     def token_ids(self) -> list[int]:
@@ -107,7 +110,8 @@ def parse_chat(body: Any, model: ServedModel) -> ParsedRequest:
     body = _common_checks(body, model)
     if body.get("echo") not in (None, False):
         raise BadRequest("echo is only served on /v1/completions", param="echo")
-    ids = model.encode_chat(body.get("messages"))
+    tools, plan = tool_plan(body)
+    ids = model.encode_chat(body.get("messages"), tools=tools)
     lp, top = body.get("logprobs"), body.get("top_logprobs")
     if lp not in (None, True, False):
         raise BadRequest("logprobs must be a boolean for chat completions", param="logprobs")
@@ -121,11 +125,17 @@ def parse_chat(body: Any, model: ServedModel) -> ParsedRequest:
     _check_context(ids, max_tokens, model)
     beam = beam_from_body(body, max_tokens, default_max=model.max_model_len or 4096)
     if beam is not None:
+        if plan is not None:
+            raise BadRequest("beam search does not make tool calls: drop use_beam_search or tool_choice",
+                             param="tool_choice")
         return _beam_request([ids], beam, chat=True)
     # OpenAI's chat default is "as long as the context allows": D caps max_tokens at its max_model_len.
     params = _sampling(body, max_tokens=max_tokens, default_max=model.max_model_len or 4096,
-                       logprobs=(top or 0) if lp else None, defaults=model.sampling_defaults)
-    return _fan_out(body, [ids], params, chat=True)
+                       logprobs=(top or 0) if lp else None, defaults=model.sampling_defaults,
+                       structured=None if plan is None else plan.structured)
+    parsed = _fan_out(body, [ids], params, chat=True)
+    parsed.tools = plan
+    return parsed
 
 
 def _fan_out(body: dict, prompts: list[list[int]], params: SamplingParams, chat: bool) -> ParsedRequest:
@@ -179,8 +189,10 @@ def _common_checks(body: Any, model: ServedModel) -> dict:
 
 
 def _sampling(body: dict, max_tokens: Any, default_max: int, logprobs: int | None,
-              defaults: dict[str, Any] | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
-    """`defaults`: the checkpoint's generation_config.json values, for the fields the body leaves unset."""
+              defaults: dict[str, Any] | None = None, prompt_logprobs: int | None = None,
+              structured: dict[str, Any] | None = None) -> SamplingParams:
+    """`defaults`: the checkpoint's generation_config.json values, for the fields the body leaves unset;
+    `structured`: a grammar of the server's own (tool calls), else the body's."""
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
         raise BadRequest("stop must be a string or a list of strings", param="stop")
@@ -189,7 +201,8 @@ def _sampling(body: dict, max_tokens: Any, default_max: int, logprobs: int | Non
     for name in ("temperature", "top_p", "seed", *_PENALTIES, *_EXTRAS):
         if body.get(name) is not None:
             kw[name] = body[name]
-    structured = structured_from_body(body)  # response_format / structured_outputs / guided_*
+    if structured is None:
+        structured = structured_from_body(body)  # response_format / structured_outputs / guided_*
     if structured is not None:
         kw["structured_outputs"] = structured
     try:

@@ -76,8 +76,10 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Any] | None = Field(None, description="refused: no tool calling")
-    tool_choice: Union[Literal["none"], Any, None] = Field(None, description="refused unless 'none'")
+    tools: list[dict[str, Any]] | None = Field(None, description="functions the model may call (tool_calls.py)")
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = Field(
+        None, description="'none', 'required' or {'type': 'function', 'function': {'name': ...}}; 'auto' is refused")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call under tool_choice 'required'")
 
 
 def validate_body(body: Any, chat: bool) -> None:

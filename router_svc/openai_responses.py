@@ -12,6 +12,7 @@ from typing import Any
 
 from router_svc.core import Chunk
 from router_svc.prompts import ServedModel
+from router_svc.tool_calls import ToolPlan
 
 
 @dataclass(slots=True)
@@ -53,12 +54,16 @@ def _envelope(rid: str, chat: bool, model: str, stream: bool) -> dict:
     return {"id": response_id(rid, chat), "object": kind, "created": int(time.time()), "model": model}
 
 
-def final_response(rid: str, chat: bool, model: str, totals: list[Totals], logprobs: list[Any], n: int) -> dict:
+def final_response(rid: str, chat: bool, model: str, totals: list[Totals], logprobs: list[Any], n: int,
+                   tools: ToolPlan | None = None) -> dict:
+    """`tools`: the text of each choice is a tool call (router_svc/tool_calls.py)."""
     choices = []
     for index, (t, lp) in enumerate(zip(totals, logprobs)):
         choice: dict[str, Any] = {"index": index, "logprobs": lp, "finish_reason": t.finish_reason,
                                   "stop_reason": t.stop_reason}
-        if chat:
+        if chat and tools is not None:
+            choice["message"], choice["finish_reason"] = tools.message(t.text, t.finish_reason)
+        elif chat:
             choice["message"] = {"role": "assistant", "content": t.text}
         else:
             choice["text"] = t.text
@@ -67,10 +72,14 @@ def final_response(rid: str, chat: bool, model: str, totals: list[Totals], logpr
 
 
 def stream_chunk(rid: str, chat: bool, model: str, text: str | None, finish_reason: str | None,
-                 logprobs: Any = None, first: bool = False, include_usage: bool = False, index: int = 0) -> dict:
+                 logprobs: Any = None, first: bool = False, include_usage: bool = False, index: int = 0,
+                 delta: dict[str, Any] | None = None) -> dict:
+    """`delta` (chat): the delta object to send in place of one made of `text` (tool calls)."""
     choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
-    if chat:
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+    if chat and delta is not None:
+        choice["delta"] = delta
+    elif chat:
+        delta = {"role": "assistant"} if first else {}
         if text is not None:
             delta["content"] = text
         choice["delta"] = delta

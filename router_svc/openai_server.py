@@ -36,6 +36,7 @@ from router_svc.openai_responses import (
 )
 from router_svc.prompts import ServedModel
 from router_svc.registry import Registry
+from router_svc.tool_calls import ToolStream
 from tandem.observability.logging import bind_request
 
 
@@ -121,6 +122,7 @@ class OpenAIApp:
     async def generate(self, request: Request, response: Response, chat: bool) -> None:
         api = "chat" if chat else "completions"
         choices: Choices | None = None
+        parsed: ParsedRequest | None = None
         ended_by: BaseException | None = None
         # the id is fixed before parsing so every line of this request carries it
         rid = request.headers.get("x-request-id") or f"req-{uuid.uuid4().hex}"
@@ -142,6 +144,8 @@ class OpenAIApp:
             else:
                 await self._collect(rid, choices, response, parsed)
         except RouterError as exc:
+            if parsed is not None and parsed.tools is not None and exc.param == "structured_outputs":
+                exc = BadRequest(f"tools: a function's parameters cannot be used as a grammar ({exc})", param="tools")
             ended_by = exc
             if not response.started:
                 await _fail(response, exc)
@@ -177,7 +181,8 @@ class OpenAIApp:
                 logprobs[i].append(lp)
                 offsets[i] += _text_length(lp)
         await response.json(200, final_response(rid, chat, self.model.name, totals,
-                                                [_merge_logprobs(parts, chat) for parts in logprobs], parsed.n))
+                                                [_merge_logprobs(parts, chat) for parts in logprobs], parsed.n,
+                                                parsed.tools))
 
     async def _collect_beams(self, rid: str, choices: Choices, response: Response, parsed: ParsedRequest) -> None:
         """use_beam_search: each prompt's one answer carries its n hypotheses, best first: its n choices."""
@@ -204,6 +209,7 @@ class OpenAIApp:
     async def _stream(self, rid: str, choices: Choices, response: Response, parsed: ParsedRequest) -> None:
         name, count, chat, include_usage = self.model.name, len(choices.streams), parsed.chat, parsed.include_usage
         totals, offsets, echoed_choices = [Totals() for _ in range(count)], [0] * count, set[int]()
+        calls = None if parsed.tools is None else [ToolStream(parsed.tools) for _ in range(count)]
         await response.start_stream()
         if chat:  # OpenAI's first chat chunk of each choice announces the role
             for i in range(count):
@@ -222,6 +228,9 @@ class OpenAIApp:
             lp = format_logprobs(chunk, self.model, chat, offsets[i])
             if lp is not None:
                 offsets[i] += _text_length(lp)
+            if calls is not None:  # tool calls: their deltas in place of the text's
+                await self._stream_calls(rid, response, parsed, calls[i], chunk, lp, i)
+                continue
             # A chunk per step that made tokens, even when their text is still empty (held back for a stop
             # string, an incomplete UTF-8 character, a special token): as vLLM does, so a client's first
             # chunk marks the first token (TTFT) and every step shows as an inter-token gap.
@@ -235,6 +244,21 @@ class OpenAIApp:
             await _sse(response, usage_chunk(rid, chat, name, totals, parsed.n))
         await response.write(b"data: [DONE]\n\n")
         await response.end_stream()
+
+
+    async def _stream_calls(self, rid: str, response: Response, parsed: ParsedRequest, calls: ToolStream,
+                            chunk: Chunk, lp: Any, index: int) -> None:
+        """One chunk of a choice whose output is tool calls: a chunk per step (an empty delta while a
+        `required` array is incomplete), then the one that finishes it."""
+        name, usage_on = self.model.name, parsed.include_usage
+        deltas, reason = calls.deltas(chunk.text, chunk.finished, chunk.finish_reason)
+        for delta in deltas or ([{}] if chunk.token_ids or lp is not None else []):
+            await _sse(response, stream_chunk(rid, True, name, None, None, lp, include_usage=usage_on, index=index,
+                                              delta=delta))
+            lp = None
+        if chunk.finished:
+            await _sse(response, stream_chunk(rid, True, name, None, reason, include_usage=usage_on, index=index,
+                                              delta={}))
 
 
 def _text_length(lp: dict) -> int:

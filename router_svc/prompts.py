@@ -50,18 +50,46 @@ class ServedModel:
             raise BadRequest(f"{param} has negative token ids {bad[:5]}", param=param)
         return list(ids)
 
-    def encode_chat(self, messages: Any, param: str = "messages") -> list[int]:
+    def encode_chat(self, messages: Any, param: str = "messages", tools: list[dict] | None = None) -> list[int]:
+        """Through the chat template; `tools` (OpenAI's, checked) go to it as transformers passes them."""
         if not isinstance(messages, list) or not messages:
             raise BadRequest(f"{param} must be a non-empty list of {{'role', 'content'}} objects", param=param)
         flat = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise BadRequest(f"{param}[{i}] must be an object with a string 'role'", param=param)
-            flat.append({"role": m["role"], "content": _content_text(m.get("content"), f"{param}[{i}].content")})
+            flat.append({"role": m["role"], "content": _content_text(m.get("content"), f"{param}[{i}].content"),
+                         **_tool_fields(m, f"{param}[{i}]")})
         try:
-            return self.tokenizer.encode_chat(flat)
+            return self.tokenizer.encode_chat(flat, tools=tools)
         except ValueError as exc:
             raise BadRequest(str(exc), param=param) from None
+
+
+def _tool_fields(message: dict, where: str) -> dict[str, Any]:
+    """A history's tool traffic for the template: an assistant's `tool_calls` (arguments, a JSON string in
+    OpenAI's shape, as an object: templates write them with tojson, as vLLM passes them) and a tool
+    result's `tool_call_id` / `name`."""
+    out = {k: message[k] for k in ("tool_call_id", "name") if isinstance(message.get(k), str)}
+    calls = message.get("tool_calls")
+    if calls is None:
+        return out
+    if not isinstance(calls, list):
+        raise BadRequest(f"{where}.tool_calls must be a list", param="messages")
+    out["tool_calls"] = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRequest(f"{where}.tool_calls[{j}] must be {{'function': {{'name', 'arguments'}}}}",
+                             param="messages")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise BadRequest(f"{where}.tool_calls[{j}].function.arguments is not JSON", param="messages") from None
+        out["tool_calls"].append({**call, "function": {**fn, "arguments": args}})
+    return out
 
 
 def _content_text(content: Any, where: str) -> str:

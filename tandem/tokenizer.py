@@ -76,7 +76,9 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The chat template rendered as transformers renders it (`tools`: OpenAI-style function specs)."""
         if self.chat_template is None:
             raise ValueError("this model's tokenizer_config.json has no chat_template; send a plain prompt instead")
         if not isinstance(messages, list) or not all(
@@ -92,14 +94,15 @@ class Tokenizer:
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._compiled = env.from_string(self.chat_template)
         try:
-            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         # The template writes the special tokens itself (as transformers does).
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
 
 
 def _raise(message: str) -> None:

@@ -271,9 +271,8 @@ def test_refused_completion_fields_are_400_naming_them(served, field, value, nam
     assert complete(served["http"], prompt="x", max_tokens=1)["choices"]  # and it keeps serving
 
 
-@pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                          ("tool_choice", "auto"), ("top_logprobs", 3), ("n", -1),
-                                          ("echo", True)])
+@pytest.mark.parametrize("field, value", [("functions", [{"name": "f"}]), ("tool_choice", "auto"),
+                                          ("top_logprobs", 3), ("n", -1), ("echo", True)])
 def test_refused_chat_fields_are_400_naming_them(served, field, value):
     status, _, body = post(f"{served['http']}/v1/chat/completions",
                            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, field: value})
