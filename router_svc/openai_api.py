@@ -110,7 +110,7 @@ def parse_chat(body: Any, model: ServedModel) -> ParsedRequest:
     body = _common_checks(body, model)
     if body.get("echo") not in (None, False):
         raise BadRequest("echo is only served on /v1/completions", param="echo")
-    tools, plan = tool_plan(body)
+    tools, plan = tool_plan(body, model.tool_call_parser)
     ids = model.encode_chat(body.get("messages"), tools=tools)
     lp, top = body.get("logprobs"), body.get("top_logprobs")
     if lp not in (None, True, False):

@@ -71,6 +71,7 @@ class RouterConfig:
     ttft_slo_s: float | None = None  # judge every request against these (router_svc/slo.py)
     itl_slo_s: float | None = None
     rebalance: bool = False  # move workers between roles from the SLO signals (router_svc/rebalance.py)
+    tool_call_parser: str | None = None  # tool_choice "auto" reads calls with this (router_svc/tool_parsers.py)
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "block_size", "affinity_blocks"):
@@ -90,7 +91,7 @@ class RouterConfig:
 class RouterService:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.model = ServedModel(config.model, config.served_model_name)
+        self.model = ServedModel(config.model, config.served_model_name, config.tool_call_parser)
         self.registry = Registry(config.static_timeout_s, config.heartbeat_misses, config.hung_timeout_s)
         self.ctx = zmq.asyncio.Context()
         self.links: WorkerLinks | None = None

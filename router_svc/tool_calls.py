@@ -10,8 +10,9 @@ write a call, and this module turns the text into `tool_calls` (whole answers an
   its own tool's schema (one at most with parallel_tool_calls false): that many calls, finish_reason
   "tool_calls". Streamed: the calls go out
   whole once the array is complete (steps before send empty deltas, so the client sees each one).
-- "auto", OpenAI's default when tools are given: reading calls out of free text needs a parser per
-  model family (vLLM's --tool-call-parser); tandem has none, so it is a 400 naming tool_choice, as
+- "auto", OpenAI's default when tools are given: the model answers freely, and the calls it writes in
+  its own format are read out of its text by the router's `--tool-call-parser` (tool_parsers.py):
+  finish_reason "tool_calls" when it made any. Without a parser it is a 400 naming tool_choice, as
   vLLM answers without one.
 The tools always go to the chat template as `tools`, as transformers' apply_chat_template passes
 them; a history's assistant `tool_calls` (their JSON-string arguments as objects) and `tool`
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router_svc.errors import BadRequest
+from router_svc.tool_parsers import HermesStream, parse_calls
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -37,11 +39,18 @@ class ToolPlan:
     """What a request's tool_choice asks of the output: `named` (one function's arguments) or not
     (`required`: an array of calls)."""
 
-    structured: dict[str, Any]  # the grammar, as SamplingParams.structured_outputs
+    structured: dict[str, Any] | None  # the grammar, as SamplingParams.structured_outputs
     named: str | None = None
+    parsed: bool = False  # "auto": calls read out of free text (tool_parsers.py)
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """A whole answer's chat message and finish_reason."""
+        if self.parsed:
+            content, found = parse_calls(text)
+            if not found:
+                return {"role": "assistant", "content": content or ""}, finish_reason
+            return ({"role": "assistant", "content": content, "tool_calls": found},
+                    "tool_calls" if finish_reason == "stop" else finish_reason)
         calls = self.calls(text, finish_reason)
         if calls is None:  # cut short (max_tokens): the text as it is, which is not a complete call
             return {"role": "assistant", "content": text}, finish_reason
@@ -68,9 +77,13 @@ class ToolStream:
     call_id: str = field(default_factory=lambda: _call_id())
     text: str = ""
     started: bool = False
+    reader: HermesStream = field(default_factory=HermesStream)
 
     def deltas(self, text: str, finished: bool, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """(deltas for this chunk, the finish_reason to send when `finished`)."""
+        if self.plan.parsed:
+            out = self.reader.feed(text, finished)
+            return out, "tool_calls" if self.reader.calls and finish_reason == "stop" else finish_reason
         if self.plan.named is not None:
             out = []
             if not self.started:
@@ -89,18 +102,23 @@ class ToolStream:
         return [{"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}], "tool_calls"
 
 
-def tool_plan(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolPlan | None]:
-    """(the tools for the chat template, the output plan or None) from a chat body, checked."""
+def tool_plan(body: dict[str, Any], parser: str | None = None
+              ) -> tuple[list[dict[str, Any]] | None, ToolPlan | None]:
+    """(the tools for the chat template, the output plan or None) from a chat body, checked; `parser`:
+    the server's --tool-call-parser (None: "auto" is refused)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None or tools == []:
         if choice not in (None, "none"):
             raise BadRequest("tool_choice needs tools: give the functions the model may call", param="tool_choice")
         return None, None
     functions = _check_tools(tools)
+    if (choice is None or choice == "auto") and parser is not None:
+        return tools, ToolPlan(None, parsed=True)
     if choice is None or choice == "auto":
         raise BadRequest('tool_choice "auto" (the default when tools are given) needs a tool-call parser for the '
-                         'model\'s own call format, which this server does not have: send tool_choice "required", '
-                         '"none", or {"type": "function", "function": {"name": ...}}', param="tool_choice")
+                         "model's own call format: start the router with --tool-call-parser hermes, or send "
+                         'tool_choice "required", "none", or {"type": "function", "function": {"name": ...}}',
+                         param="tool_choice")
     if choice == "none":
         return tools, None
     if any(body.get(name) is not None for name in ("response_format", "structured_outputs", "guided_json",

@@ -231,3 +231,16 @@ def test_up_sizes_the_routers_admission_limit_from_the_decode_workers():
     assert inflight() == 2 * 64  # one decode worker of the default max_num_seqs
     assert inflight("--decode", "3", "--max-num-seqs", "32") == 2 * 3 * 32
     assert inflight("--max-inflight", "10") == 10
+
+
+def test_up_passes_the_tool_call_parser_to_the_router_and_refuses_unknown_ones(capsys):
+    from tandem.cli import build_parser
+    from tandem.cli.up import build_commands
+
+    router, _ = build_commands(build_parser().parse_args(["up", "--tool-call-parser", "hermes"]), "/m")
+    assert router[router.index("--tool-call-parser") + 1] == "hermes"
+    assert "--tool-call-parser" not in build_commands(build_parser().parse_args(["up"]), "/m")[0]
+    for command in ("up", "router"):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args([command, "--tool-call-parser", "llama3_json"])
+        assert exit_.value.code == 2 and "--tool-call-parser" in capsys.readouterr().err

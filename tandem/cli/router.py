@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from router_svc.tool_parsers import PARSERS
 from tandem.cli.engine_args import add_model_arg, resolve_model
 from tandem.cli.keys import add_link_args, apply_link_args
 from tandem.observability.cli import add_observability_args, setup_logging
@@ -61,6 +62,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enable-admin", action="store_true",
                    help="serve /admin/workers: drain a worker, or move it to the other role without a restart "
                         "(behind --api-key when set)")
+    p.add_argument("--tool-call-parser", default=None, choices=PARSERS,
+                   help="serve tool_choice 'auto' (OpenAI's default with tools): read the calls the model writes "
+                        "in this format out of its text (hermes: <tool_call>{...}</tool_call>, Hermes / Qwen "
+                        "templates; vLLM's --enable-auto-tool-choice --tool-call-parser hermes)")
     p.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM) for HTTP and gRPC")
     p.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM) for HTTP and gRPC")
     p.add_argument("--static-timeout", type=float, default=3.0,
@@ -96,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
                           block_size=args.block_size, affinity_blocks=args.affinity_blocks,
                           metrics_port=args.metrics_port, enable_admin=args.enable_admin,
                           ttft_slo_s=args.ttft_slo, itl_slo_s=args.itl_slo, rebalance=args.rebalance,
-                          client_timeout_s=args.client_timeout, protect_metrics=args.protect_metrics)
+                          client_timeout_s=args.client_timeout, protect_metrics=args.protect_metrics,
+                          tool_call_parser=args.tool_call_parser)
     asyncio.run(serve(config))
     return 0

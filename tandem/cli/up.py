@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 
+from router_svc.tool_parsers import PARSERS
 from tandem.cli import cpus
 from tandem.cli.engine_args import add_engine_args, add_model_arg, engine_flags, resolve_model_path
 from tandem.cli.keys import add_link_args
@@ -80,6 +81,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--itl-slo", type=float, default=None, help="the router's mean inter-token latency target")
     p.add_argument("--rebalance", action="store_true",
                    help="the router moves workers between roles from the SLO signals (see `tandem router --help`)")
+    p.add_argument("--tool-call-parser", default=None, choices=PARSERS,
+                   help="the router serves tool_choice 'auto' with this parser (see `tandem router --help`)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every worker")
     p.add_argument("--quiet", action="store_true", help="do not relay the children's logs to stderr")
     add_link_args(p)
@@ -104,7 +107,8 @@ def build_commands(args: argparse.Namespace, model: str) -> tuple[list[str], lis
               "--grpc-port", str(args.grpc_port), "--listen", "tcp://127.0.0.1:0"]
     for flag, value in (("--served-model-name", args.served_model_name), ("--decode-policy", args.decode_policy),
                         ("--prefill-policy", args.prefill_policy), ("--hung-timeout", args.hung_timeout),
-                        ("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile)):
+                        ("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile),
+                        ("--tool-call-parser", args.tool_call_parser)):
         if value is not None:
             router += [flag, str(value)]
     if not args.migrate:

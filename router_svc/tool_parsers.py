@@ -1,0 +1,99 @@
+"""Tool-call parsers for tool_choice "auto": the calls a model wrote in its own format, read out of its
+free text (vLLM's --tool-call-parser; the router's `--tool-call-parser NAME` turns "auto" on).
+
+- `hermes` (Hermes 2/3, Qwen2.5 / Qwen3 and the templates that copy them): each call is
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, a last one possibly unclosed at the end.
+
+The text outside the calls is the message's content (None when only whitespace). A span between the
+tags that is not a call ({"name": str, "arguments": object}) stays in the content as the model wrote
+it, so a whole answer and a streamed one say the same thing: streamed, content goes out as it is
+generated except for a tail that could still become an opening tag, and each call goes out whole
+once its closing tag (or the end of the output) arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PARSERS = ("hermes",)
+
+
+def check_parser(name: str | None) -> str | None:
+    if name is not None and name not in PARSERS:
+        raise ValueError(f"--tool-call-parser {name!r} is not one of: {', '.join(PARSERS)}")
+    return name
+
+
+def parse_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls in OpenAI's shape) of a whole output."""
+    stream = HermesStream()
+    deltas = stream.feed(text, finished=True)
+    content = "".join(d.get("content", "") for d in deltas)
+    calls = [{k: v for k, v in c.items() if k != "index"} for d in deltas for c in d.get("tool_calls", ())]
+    return (content if content.strip() else None), calls
+
+
+@dataclass(slots=True)
+class HermesStream:
+    """One streamed choice: `feed` each chunk of text, get the deltas to send."""
+
+    buffer: str = ""
+    in_call: bool = False
+    calls: int = 0
+
+    def feed(self, text: str, finished: bool) -> list[dict[str, Any]]:
+        self.buffer += text
+        out: list[dict[str, Any]] = []
+        while True:
+            if not self.in_call:
+                at = self.buffer.find(OPEN)
+                if at < 0:  # hold back a tail that may be the start of an opening tag
+                    keep = 0 if finished else _open_prefix(self.buffer)
+                    _content(out, self.buffer[:len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    return out
+                _content(out, self.buffer[:at])
+                self.buffer, self.in_call = self.buffer[at + len(OPEN):], True
+                continue
+            end = self.buffer.find(CLOSE)
+            if end < 0 and not finished:
+                return out
+            body, closed = (self.buffer[:end], True) if end >= 0 else (self.buffer, False)
+            self.buffer, self.in_call = (self.buffer[end + len(CLOSE):] if closed else ""), False
+            call = _call(body)
+            if call is None:  # not a call: the model's text, as written
+                _content(out, OPEN + body + (CLOSE if closed else ""))
+            else:
+                out.append({"tool_calls": [{"index": self.calls, **call}]})
+                self.calls += 1
+
+
+def _content(out: list[dict[str, Any]], text: str) -> None:
+    if text:
+        out.append({"content": text})
+
+
+def _open_prefix(text: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of OPEN."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:n]):
+            return n
+    return 0
+
+
+def _call(body: str) -> dict[str, Any] | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if not isinstance(args, dict):
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}

@@ -1,0 +1,130 @@
+"""tool_choice "auto" with the router's `--tool-call-parser hermes`: the parser alone (a streamed answer,
+split anywhere, says what the whole one says), then through P/D with the `openai` client on a tiny model
+trained in the fixture to answer three questions word for word — one call after some text, two calls,
+no call — so the calls come from a real model's greedy output (checked against transformers first)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import openai
+import pytest
+from service_procs import Proc, router_endpoints, start_router, stop_all, wait_workers
+from test_tool_calls import TOOLS, TOOLS_TEMPLATE
+from tiny_models import make_checkpoint
+
+from router_svc.tool_parsers import HermesStream, parse_calls
+
+ANSWERS = {
+    "weather in Oslo?": 'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}'
+                        "</tool_call>",
+    "and the time?": '<tool_call>{"name": "get_time", "arguments": {"zone": 1}}</tool_call>\n'
+                     '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "unit": "f"}}</tool_call>',
+    "hello": "Hi there, no tools needed.",
+}
+EXPECTED = {  # (content, [(name, arguments)], finish_reason)
+    "weather in Oslo?": ("Let me look.", [("get_weather", '{"city": "Oslo", "unit": "c"}')], "tool_calls"),
+    "and the time?": (None, [("get_time", '{"zone": 1}'), ("get_weather", '{"city": "Rome", "unit": "f"}')],
+                      "tool_calls"),
+    "hello": ("Hi there, no tools needed.", [], "stop"),
+}
+
+
+def _named(calls: list[dict]) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+def test_a_streamed_answer_split_anywhere_says_what_the_whole_one_says():
+    text = ('Sure.<tool_call>{"name": "a", "arguments": {"x": [1, 2]}}</tool_call>\n<tool_call>not json</tool_call>'
+            '<tool_call>{"name": "b", "parameters": {}}</tool_call> then <tool_c')
+    content, calls = parse_calls(text)
+    assert content == "Sure.\n<tool_call>not json</tool_call> then <tool_c"  # a span that is no call stays text
+    assert _named(calls) == [("a", '{"x": [1, 2]}'), ("b", "{}")]
+    for cut in range(len(text) + 1):
+        for second in range(cut, len(text) + 1):
+            stream = HermesStream()
+            deltas = stream.feed(text[:cut], False) + stream.feed(text[cut:second], False) + stream.feed(
+                text[second:], True)
+            assert "".join(d.get("content", "") for d in deltas) == content
+            streamed = [c for d in deltas for c in d.get("tool_calls", ())]
+            assert _named(streamed) == _named(calls) and [c["index"] for c in streamed] == [0, 1]
+    assert parse_calls('<tool_call>{"name": "c", "arguments": {"k": 1}}')[1][0]["function"]["name"] == "c"  # unclosed
+    assert parse_calls("no calls here") == ("no calls here", [])
+
+
+def _memorizing_checkpoint(path: str) -> str:
+    """A tiny Llama trained until its greedy answer to each question is ANSWERS' (then EOS)."""
+    import torch
+    import transformers as tf
+
+    from tandem.tokenizer import Tokenizer
+
+    ckpt = make_checkpoint(path)
+    with open(f"{ckpt}/tokenizer_config.json") as f:
+        cfg = json.load(f)
+    with open(f"{ckpt}/tokenizer_config.json", "w") as f:
+        json.dump({**cfg, "chat_template": TOOLS_TEMPLATE}, f)
+    tok = Tokenizer(ckpt)
+    seqs = [(tok.encode_chat([{"role": "user", "content": q}], tools=TOOLS), tok.encode(a, add_special_tokens=False)
+             + [1]) for q, a in ANSWERS.items()]
+    model = tf.LlamaForCausalLM.from_pretrained(ckpt)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for step in range(400):
+        loss = sum(model(torch.tensor([p + t]), labels=torch.tensor([[-100] * len(p) + t])).loss for p, t in seqs)
+        opt.zero_grad()
+        loss.backward()  # type: ignore[union-attr]
+        opt.step()
+        if step % 25 == 24:
+            with torch.no_grad():
+                if all(model.generate(torch.tensor([p]), max_new_tokens=len(t) + 2, do_sample=False)[0, len(p):]
+                       .tolist() == t for p, t in seqs):
+                    model.save_pretrained(ckpt)
+                    return ckpt
+    raise AssertionError("the tiny model did not learn its answers")
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tool-parser")
+    ckpt = _memorizing_checkpoint(str(tmp / "ckpt"))
+    router = start_router("router", ckpt, tmp, "--tool-call-parser", "hermes")
+    procs = [router]
+    try:
+        ep = router_endpoints(router)
+        for role in ("prefill", "decode"):
+            extra = ["--local-prefill-threshold", "0"] if role == "decode" else []
+            procs.append(Proc(role, [sys.executable, "-m", "tandem.cli", role, "--model", ckpt, "--listen",
+                                     "tcp://127.0.0.1:0", "--router", ep["listen"], "--num-kv-blocks", "128",
+                                     *extra], tmp))
+        wait_workers(ep["http"], decode=1, prefill=1)
+        yield openai.OpenAI(base_url=f"{ep['http']}/v1", api_key="none", max_retries=0)
+    finally:
+        stop_all(procs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("question", list(ANSWERS))
+def test_auto_reads_the_models_calls_whole_and_streamed(client, question):
+    messages = [{"role": "user", "content": question}]
+    resp = client.chat.completions.create(model="", messages=messages, tools=TOOLS, temperature=0, max_tokens=200)
+    choice, (content, calls, reason) = resp.choices[0], EXPECTED[question]
+    assert choice.message.content == content and choice.finish_reason == reason
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []] == calls
+    assert all(c.id.startswith("call_") and c.type == "function" for c in choice.message.tool_calls or [])
+    chunks = [c.choices[0] for c in client.chat.completions.create(
+        model="", messages=messages, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=200, stream=True)
+        if c.choices]
+    streamed = "".join(c.delta.content or "" for c in chunks)
+    assert (streamed.strip() or None) == content and chunks[-1].finish_reason == reason
+    deltas = [t for c in chunks for t in c.delta.tool_calls or []]
+    assert [(t.function.name, t.function.arguments) for t in deltas] == calls
+    assert [t.index for t in deltas] == list(range(len(calls)))
+
+
+@pytest.mark.slow
+def test_tool_choice_none_leaves_the_text_alone(client):
+    resp = client.chat.completions.create(model="", messages=[{"role": "user", "content": "weather in Oslo?"}],
+                                          tools=TOOLS, tool_choice="none", temperature=0, max_tokens=200)
+    assert resp.choices[0].message.content == ANSWERS["weather in Oslo?"] and not resp.choices[0].message.tool_calls
