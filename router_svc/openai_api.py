@@ -8,7 +8,8 @@ logprobs (+ top_logprobs for chat), stream, stream_options.include_usage,
 response_format / structured_outputs / guided_* (router_svc/structured_request.py); tools, tool_choice
 and parallel_tool_calls (router_svc/tool_calls.py);
 presence_penalty, frequency_penalty, logit_bias; tandem (vLLM) extras: top_k, min_p, ignore_eos, stop_token_ids,
-repetition_penalty, min_tokens; use_beam_search with n as the beam width, length_penalty, early_stopping
+repetition_penalty, min_tokens; chat: add_generation_prompt, continue_final_message, chat_template_kwargs
+(to the chat template); use_beam_search with n as the beam width, length_penalty, early_stopping
 (router_svc/beam_request.py). Parameters tandem does not implement are accepted only at their neutral
 value, otherwise a 400 that names them.
 """
@@ -111,7 +112,10 @@ def parse_chat(body: Any, model: ServedModel) -> ParsedRequest:
     if body.get("echo") not in (None, False):
         raise BadRequest("echo is only served on /v1/completions", param="echo")
     tools, plan = tool_plan(body, model.tool_call_parser)
-    ids = model.encode_chat(body.get("messages"), tools=tools)
+    continuing = body.get("continue_final_message") is True
+    ids = model.encode_chat(body.get("messages"), tools=tools, continue_final_message=continuing,
+                            add_generation_prompt=body.get("add_generation_prompt", not continuing) is not False,
+                            template_kwargs=body.get("chat_template_kwargs"))
     lp, top = body.get("logprobs"), body.get("top_logprobs")
     if lp not in (None, True, False):
         raise BadRequest("logprobs must be a boolean for chat completions", param="logprobs")

@@ -80,6 +80,11 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = Field(
         None, description="'none', 'required' or {'type': 'function', 'function': {'name': ...}}; 'auto' is refused")
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call under tool_choice 'required'")
+    add_generation_prompt: bool | None = Field(None, description="vLLM: end the prompt with the assistant's turn "
+                                               "(default true, false with continue_final_message)")
+    continue_final_message: bool | None = Field(None, description="vLLM: generation continues the last message")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM: more variables for the chat "
+                                                        "template, e.g. {'enable_thinking': false}")
 
 
 def validate_body(body: Any, chat: bool) -> None:

@@ -12,7 +12,7 @@ import jinja2.ext  # noqa: F401  tandem.tokenizer uses jinja2.ext.loopcontrols w
 from router_svc.errors import BadRequest, ModelNotFound
 from router_svc.tool_parsers import check_parser
 from tandem.sampling_params import model_defaults
-from tandem.tokenizer import Tokenizer
+from tandem.tokenizer import RESERVED_TEMPLATE_NAMES, Tokenizer
 
 
 class ServedModel:
@@ -52,8 +52,11 @@ class ServedModel:
             raise BadRequest(f"{param} has negative token ids {bad[:5]}", param=param)
         return list(ids)
 
-    def encode_chat(self, messages: Any, param: str = "messages", tools: list[dict] | None = None) -> list[int]:
-        """Through the chat template; `tools` (OpenAI's, checked) go to it as transformers passes them."""
+    def encode_chat(self, messages: Any, param: str = "messages", tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Through the chat template; `tools` (OpenAI's, checked) and the rest go to it as transformers
+        passes them (vLLM's request fields of the same names)."""
         if not isinstance(messages, list) or not messages:
             raise BadRequest(f"{param} must be a non-empty list of {{'role', 'content'}} objects", param=param)
         flat = []
@@ -62,10 +65,16 @@ class ServedModel:
                 raise BadRequest(f"{param}[{i}] must be an object with a string 'role'", param=param)
             flat.append({"role": m["role"], "content": _content_text(m.get("content"), f"{param}[{i}].content"),
                          **_tool_fields(m, f"{param}[{i}]")})
+        reserved = RESERVED_TEMPLATE_NAMES & set(template_kwargs or {})
+        if reserved:
+            raise BadRequest(f"chat_template_kwargs cannot set {sorted(reserved)}: the request's own fields do",
+                             param="chat_template_kwargs")
         try:
-            return self.tokenizer.encode_chat(flat, tools=tools)
-        except ValueError as exc:
-            raise BadRequest(str(exc), param=param) from None
+            return self.tokenizer.encode_chat(flat, add_generation_prompt, tools, continue_final_message,
+                                              **(template_kwargs or {}))
+        except ValueError as exc:  # the template's own error, or one naming the field it is about
+            named = BadRequest.from_exception(exc, {"continue_final_message", "chat_template_kwargs"}).param
+            raise BadRequest(str(exc), param=named or param) from None
 
 
 def _tool_fields(message: dict, where: str) -> dict[str, Any]:

@@ -13,6 +13,9 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+# Names the template gets from the request itself: chat_template_kwargs cannot set them.
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
+                                     "bos_token", "eos_token"})
 _CONTEXT_TOKENS = 6  # prompt tokens decoded with the output so leading spaces/merges come out right
 
 
@@ -77,8 +80,11 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
-        """The chat template rendered as transformers renders it (`tools`: OpenAI-style function specs)."""
+                            tools: list[dict] | None = None, continue_final_message: bool = False,
+                            **template_kwargs: object) -> str:
+        """The chat template rendered as transformers renders it: `tools` (OpenAI-style function specs)
+        and `template_kwargs` (e.g. enable_thinking) go to the template; `continue_final_message` ends
+        the text right after the last message's content, so generation continues that message."""
         if self.chat_template is None:
             raise ValueError("this model's tokenizer_config.json has no chat_template; send a plain prompt instead")
         if not isinstance(messages, list) or not all(
@@ -86,6 +92,9 @@ class Tokenizer:
             for m in messages
         ):
             raise ValueError("messages must be a list of {'role': str, 'content': str} objects")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
+                             "continues the last message, the second starts a new one")
         if self._compiled is None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=[jinja2.ext.loopcontrols])
@@ -94,15 +103,32 @@ class Tokenizer:
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._compiled = env.from_string(self.chat_template)
         try:
-            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            text = self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                         **template_kwargs)
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
+        return _cut_after_final(text, messages[-1]["content"]) if continue_final_message else text
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, continue_final_message: bool = False,
+                    **template_kwargs: object) -> list[int]:
         # The template writes the special tokens itself (as transformers does).
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, continue_final_message,
+                                        **template_kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _cut_after_final(text: str, final: str) -> str:
+    """`text` up to the end of its last occurrence of the final message's content (as transformers
+    cuts it: with the content's trailing whitespace if the template kept it, else without)."""
+    core = final.strip()
+    at = text.rfind(core)  # an empty content is found at the end: the whole text
+    if at < 0:
+        raise ValueError("continue_final_message: the last message's content does not appear in the rendered "
+                         "chat (the template drops it)")
+    kept = final.lstrip()
+    return text[:at + len(kept)] if text[at:at + len(kept)] == kept else text[:at + len(core)]
 
 
 def _raise(message: str) -> None:

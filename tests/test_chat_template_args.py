@@ -1,0 +1,118 @@
+"""vLLM's chat-template fields: `add_generation_prompt`, `continue_final_message` and
+`chat_template_kwargs` render exactly as transformers' apply_chat_template renders them, offline and
+through the front door (a colocated worker: the prompt it was sent is the one rendered here, and the
+continuation equals the offline engine's), and misuse is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from service_procs import Proc, post, router_endpoints, start_router, stop_all, wait_workers
+from tiny_models import make_checkpoint
+
+# Reads a template variable (as Qwen3's reads enable_thinking) and keeps the content's spacing.
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think></think>{% endif %}{% endif %}"
+)
+CHAT = [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "    return a "}]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = make_checkpoint(str(tmp_path_factory.mktemp("template") / "ckpt"))
+    with open(f"{path}/tokenizer_config.json") as f:
+        cfg = json.load(f)
+    with open(f"{path}/tokenizer_config.json", "w") as f:
+        json.dump({**cfg, "chat_template": TEMPLATE}, f)
+    return path
+
+
+@pytest.mark.parametrize("kw", [
+    {"add_generation_prompt": False},
+    {"add_generation_prompt": False, "continue_final_message": True},
+    {"add_generation_prompt": True, "enable_thinking": False},
+    {"add_generation_prompt": True, "enable_thinking": True},
+])
+def test_rendering_equals_transformers(ckpt, kw):
+    from transformers import AutoTokenizer
+
+    from tandem.tokenizer import Tokenizer
+
+    hf = AutoTokenizer.from_pretrained(ckpt).apply_chat_template(CHAT, tokenize=False, **kw)
+    ours = Tokenizer(ckpt).apply_chat_template(CHAT, **kw)
+    assert ours == hf
+    if kw.get("continue_final_message"):
+        assert ours.endswith("    return a ")  # the content's trailing space is kept: the template keeps it
+    assert ("<think></think>" in ours) == (kw.get("enable_thinking") is False)
+
+
+def test_continuing_a_message_the_template_strips_cuts_where_transformers_does(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tandem.tokenizer import Tokenizer
+
+    path = make_checkpoint(str(tmp_path / "ckpt"))
+    with open(f"{path}/tokenizer_config.json") as f:
+        cfg = json.load(f)
+    stripping = TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] | trim }}")
+    with open(f"{path}/tokenizer_config.json", "w") as f:
+        json.dump({**cfg, "chat_template": stripping}, f)
+    kw = {"add_generation_prompt": False, "continue_final_message": True}
+    ours = Tokenizer(path).apply_chat_template(CHAT, **kw)
+    assert ours == AutoTokenizer.from_pretrained(path).apply_chat_template(CHAT, tokenize=False, **kw)
+    assert ours.endswith("return a")
+
+
+@pytest.fixture(scope="module")
+def http(ckpt, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("template-serve")
+    router = start_router("router", ckpt, tmp)
+    procs = [router]
+    try:
+        ep = router_endpoints(router)
+        procs.append(Proc("decode", [sys.executable, "-m", "tandem.cli", "decode", "--model", ckpt, "--kv-connector",
+                                     "none", "--listen", "tcp://127.0.0.1:0", "--router", ep["listen"],
+                                     "--num-kv-blocks", "64"], tmp))
+        wait_workers(ep["http"], decode=1)
+        yield ep["http"]
+    finally:
+        stop_all(procs)
+
+
+@pytest.mark.slow
+def test_continue_final_message_through_the_front_door(ckpt, http):
+    from tandem import LLM, SamplingParams
+
+    body = {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": False, "temperature": 0,
+            "max_tokens": 8, "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
+    status, _, out = post(f"{http}/v1/chat/completions", body)
+    assert status == 200, out
+    llm = LLM(ckpt, num_kv_blocks=64)
+    ids = llm.tokenizer.encode_chat(CHAT, add_generation_prompt=False, continue_final_message=True)
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    want = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].text
+    assert out["choices"][0]["message"]["content"] == want
+    status, _, out = post(f"{http}/v1/chat/completions", {**body, "continue_final_message": None,
+                                                           "add_generation_prompt": None})
+    thinking = llm.tokenizer.encode_chat(CHAT, enable_thinking=False)
+    assert status == 200 and out["usage"]["prompt_tokens"] == len(thinking), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra,param", [
+    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+    ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
+    ({"continue_final_message": "yes"}, "continue_final_message"),
+])
+def test_misuse_is_a_400_naming_the_field(http, extra, param):
+    status, _, out = post(f"{http}/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **extra})
+    assert status == 400 and out["error"]["param"] == param, out
+    status, _, out = post(f"{http}/v1/chat/completions", {"messages": CHAT, "max_tokens": 2})
+    assert status == 200, out
+
+
