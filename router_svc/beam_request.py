@@ -24,6 +24,7 @@ _UNUSED: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}), "top_p": (None, 1, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0, 0.0),
     "min_tokens": (None, 0), "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
 }
 
 

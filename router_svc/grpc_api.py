@@ -33,7 +33,8 @@ from tandem.sampling_params import SamplingParams
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 _OPTIONAL_SCALARS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "logprobs",
-                     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs")
+                     "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "prompt_logprobs",
+                     "include_stop_str_in_output", "skip_special_tokens")
 
 
 def sampling_from_proto(msg: pb.SamplingParams, defaults: dict[str, Any] | None = None) -> SamplingParams:

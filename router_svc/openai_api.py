@@ -8,10 +8,10 @@ logprobs (+ top_logprobs for chat), stream, stream_options.include_usage,
 response_format / structured_outputs / guided_* (router_svc/structured_request.py); tools, tool_choice
 and parallel_tool_calls (router_svc/tool_calls.py);
 presence_penalty, frequency_penalty, logit_bias; tandem (vLLM) extras: top_k, min_p, ignore_eos, stop_token_ids,
-repetition_penalty, min_tokens; chat: add_generation_prompt, continue_final_message, chat_template_kwargs
-(to the chat template); use_beam_search with n as the beam width, length_penalty, early_stopping
-(router_svc/beam_request.py). Parameters tandem does not implement are accepted only at their neutral
-value, otherwise a 400 that names them.
+repetition_penalty, min_tokens, include_stop_str_in_output, skip_special_tokens; chat: add_generation_prompt,
+continue_final_message, chat_template_kwargs (to the chat template); use_beam_search with n as the beam
+width, length_penalty, early_stopping (router_svc/beam_request.py). Parameters tandem does not implement
+are accepted only at their neutral value, otherwise a 400 that names them.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "functions": (None, []), "function_call": (None, "none"),  # the deprecated forms of tools / tool_choice
 }
-_EXTRAS = ("top_k", "min_p", "ignore_eos", "stop_token_ids", "repetition_penalty", "min_tokens")
+_EXTRAS = ("top_k", "min_p", "ignore_eos", "stop_token_ids", "repetition_penalty", "min_tokens",
+           "include_stop_str_in_output", "skip_special_tokens")
 _PENALTIES = ("presence_penalty", "frequency_penalty", "logit_bias")
 # prompts x n per HTTP request: each choice is a request in flight of its own, so one body cannot
 # take more than this many of the router's admission slots.

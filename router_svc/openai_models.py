@@ -49,6 +49,8 @@ class _Sampling(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = Field(None, description="the stop string that ended it stays in the text")
+    skip_special_tokens: bool | None = Field(None, description="false: special tokens' text is kept (default true)")
     use_beam_search: bool | None = Field(None, description="beam search: n is the beam width (at most 16)")
     length_penalty: float | None = Field(None, description="beam search: score = logprob sum / length ** this")
     early_stopping: Union[bool, Literal["never"], None] = Field(

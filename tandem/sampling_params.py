@@ -34,6 +34,8 @@ class SamplingParams:
     # {"json_object": True}, {"regex": str}, {"choice": [str, ...]}, {"grammar": lark}; plus
     # "resume_tokens": n when the prompt's last n tokens were generated under it (a migrated request).
     structured_outputs: dict | None = None
+    include_stop_str_in_output: bool = False  # the stop string (or stop token's text) that ended it stays in the text
+    skip_special_tokens: bool = True  # special tokens (EOS, a template's markers) are left out of the text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,8 +66,9 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids[]", t, minimum=0)
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.structured_outputs is not None:
             check_structured(self.structured_outputs)
         for name in ("presence_penalty", "frequency_penalty"):

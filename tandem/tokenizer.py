@@ -139,17 +139,18 @@ class IncrementalDetokenizer:
     """Text deltas for a growing token list. A token that ends inside a multi-byte character decodes
     to U+FFFD; such text is held back until the character is complete (or the request finishes)."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
     def add(self, new_ids: list[int], final: bool = False) -> str:
         self.ids.extend(new_ids)
-        decode = self.tokenizer.decode
-        prefix_text = decode(self.ids[self.prefix_offset:self.read_offset])
-        full_text = decode(self.ids[self.prefix_offset:])
+        skip = self.skip_special_tokens
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip)
+        full_text = self.tokenizer.decode(self.ids[self.prefix_offset:], skip)
         if len(full_text) > len(prefix_text) and (final or not full_text.endswith("\ufffd")):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return full_text[len(prefix_text):]

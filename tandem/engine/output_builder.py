@@ -1,6 +1,6 @@
 """OutputBuilder: what a request streams back — incremental detokenization, stop strings (a hit
-finishes the request in the same step, its text cut before the string), per-token logprobs, and the
-RequestOutput of each step.
+finishes the request in the same step, its text cut before the string, or after it with
+include_stop_str_in_output), per-token logprobs, and the RequestOutput of each step.
 
 A request is `track`ed when it is queued by this engine's own front door (a prefill worker's
 requests are not: nobody reads their text); `build` makes its output after a step; a finished
@@ -27,7 +27,8 @@ class OutputBuilder:
         self.text: dict[str, str] = {}  # the text streamed so far, stop strings cut
 
     def track(self, req: Request) -> None:
-        self.detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+        self.detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                            req.params.skip_special_tokens)
         self.text[req.request_id] = ""
 
     @staticmethod
@@ -42,7 +43,8 @@ class OutputBuilder:
         detok = self.detok.get(rid)
         delta = ""
         if detok is not None:
-            text_ids = [t for t in new_ids if not (req.finished and t == req.stop_reason)]
+            keep_stop = req.params.include_stop_str_in_output
+            text_ids = [t for t in new_ids if keep_stop or not (req.finished and t == req.stop_reason)]
             delta = detok.add(text_ids, final=req.finished)
             delta = self._apply_stop_strings(req, delta)
         text = self.text.get(rid, "")
@@ -66,7 +68,7 @@ class OutputBuilder:
             hits = [(text.find(s, lookback), s) for s in stops if text.find(s, lookback) >= 0]
             if hits:
                 pos, s = min(hits)
-                text = text[:pos]
+                text = text[:pos + len(s)] if req.params.include_stop_str_in_output else text[:pos]
                 req.stop_reason = s
                 self.finish(req, "stop")
         self.text[rid] = text
