@@ -1,5 +1,5 @@
 """The HTTP routes: OpenAI-compatible `/v1/completions`, `/v1/chat/completions` (JSON or SSE with
-`stream: true`), `/v1/models`, plus `/health` and `/metrics`.
+`stream: true`), `/v1/models`, vLLM's `/tokenize` and `/detokenize`, plus `/health` and `/metrics`.
 
 A generation request: parse (openai_api) -> `Router.submit` once per choice (fanout.py: `n` and
 batched prompts) -> collect or stream their Chunks -> `close()` in `finally:`, which aborts the
@@ -36,6 +36,7 @@ from router_svc.openai_responses import (
 )
 from router_svc.prompts import ServedModel
 from router_svc.registry import Registry
+from router_svc.tokenize_api import detokenize, tokenize
 from router_svc.tool_calls import ToolStream
 from tandem.observability.logging import bind_request
 
@@ -47,7 +48,7 @@ class OpenAIApp:
         self.registry = registry
         self.admin = admin  # /admin/* (router_svc/admin.py); None: off
         # with an API key, these paths need it (/health never does: probes)
-        self.guarded = ("/v1", "/admin", "/metrics") if protect_metrics else ("/v1", "/admin")
+        self.guarded = ("/v1", "/admin", "/tokenize", "/detokenize", *(("/metrics",) if protect_metrics else ()))
         self.api_key = api_key  # /v1/* need `Authorization: Bearer <key>`; /health and /metrics stay open
         self.model = model
 
@@ -73,13 +74,16 @@ class OpenAIApp:
                 await response.json(exc.http_status, exc.openai_body())
                 return
             await response.json(200, self._model_card())
+        elif route in (("POST", "/tokenize"), ("POST", "/detokenize")):
+            await self.tokens(request, response, route[1])
         elif request.path.startswith("/admin/"):
             await self.admin_route(request, response)
         elif route == ("GET", "/health"):
             await self.health(response)
         elif route == ("GET", "/metrics"):
             await response.send(200, generate_latest(), CONTENT_TYPE_LATEST)
-        elif route[1] in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"):
+        elif route[1] in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+                          "/detokenize"):
             await _fail(response, RouterError(f"method {request.method} is not allowed on {request.path}"), 405)
         else:
             await _fail(response, RouterError(f"no route {request.method} {request.path}"), 404)
@@ -104,6 +108,17 @@ class OpenAIApp:
                     raise NotFound(f"no route {request.method} {request.path}")
             else:
                 raise NotFound(f"no route {request.method} {request.path}")
+        except RouterError as exc:
+            await _fail(response, exc)
+
+    async def tokens(self, request: Request, response: Response, path: str) -> None:
+        """vLLM's /tokenize and /detokenize (router_svc/tokenize_api.py)."""
+        try:
+            try:
+                body = request.json()
+            except (ValueError, UnicodeDecodeError):
+                raise BadRequest("the request body is not valid JSON") from None
+            await response.json(200, (tokenize if path == "/tokenize" else detokenize)(body, self.model))
         except RouterError as exc:
             await _fail(response, exc)
 

@@ -40,6 +40,13 @@ def test_api_key_guards_the_api_but_not_the_probes(tmp_path):
         models = openai.OpenAI(base_url=f"{ep['http']}/v1", api_key=KEY, max_retries=0).models.list()
         assert [m.id for m in models.data] == [TARGET_NAME]
         assert get_json(f"{ep['http']}/health")[0] == 503  # open, and honest: no decode worker
+        for headers, status in (({}, 401), ({"Authorization": f"Bearer {KEY}"}, 200)):  # /tokenize: the router alone
+            req = urllib.request.Request(f"{ep['http']}/tokenize", json.dumps({"prompt": "x"}).encode(), headers)
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    assert r.status == status and json.loads(r.read())["count"] >= 1
+            except urllib.error.HTTPError as e:
+                assert e.code == status
         with urllib.request.urlopen(f"{ep['http']}/metrics", timeout=10) as r:
             assert r.status == 200  # open by default: scrapers; --protect-metrics guards it (below)
         from tandem.protocol import generation_pb2 as pb

@@ -1,7 +1,8 @@
 """vLLM's chat-template fields: `add_generation_prompt`, `continue_final_message` and
 `chat_template_kwargs` render exactly as transformers' apply_chat_template renders them, offline and
 through the front door (a colocated worker: the prompt it was sent is the one rendered here, and the
-continuation equals the offline engine's), and misuse is a 400 naming the field."""
+continuation equals the offline engine's), and misuse is a 400 naming the field. Also vLLM's
+/tokenize (text, or a chat rendered as above) and /detokenize."""
 
 from __future__ import annotations
 
@@ -116,3 +117,29 @@ def test_misuse_is_a_400_naming_the_field(http, extra, param):
     assert status == 200, out
 
 
+
+
+@pytest.mark.slow
+def test_tokenize_and_detokenize(ckpt, http):
+    from tandem.tokenizer import Tokenizer
+
+    tok = Tokenizer(ckpt)
+    status, _, out = post(f"{http}/tokenize", {"prompt": "def f(x):"})
+    assert status == 200 and out["tokens"] == tok.encode("def f(x):") and out["count"] == len(out["tokens"]), out
+    assert out["max_model_len"] == 1024 and out["tokens"][0] == tok.bos_token_id
+    status, _, out = post(f"{http}/tokenize", {"prompt": "def f(x):", "add_special_tokens": False})
+    assert status == 200 and out["tokens"] == tok.encode("def f(x):", add_special_tokens=False)
+    status, _, out = post(f"{http}/tokenize", {"messages": CHAT, "continue_final_message": True,
+                                               "chat_template_kwargs": {"enable_thinking": False}})
+    want = tok.encode_chat(CHAT, add_generation_prompt=False, continue_final_message=True)
+    assert status == 200 and out["tokens"] == want, out
+    status, _, out = post(f"{http}/detokenize", {"tokens": want})
+    assert status == 200 and out["prompt"] == tok.apply_chat_template(CHAT, False, continue_final_message=True)
+    for path, body, param in [("/tokenize", {"prompt": ""}, "prompt"),
+                              ("/tokenize", {"prompt": "x", "messages": CHAT}, "prompt"),
+                              ("/tokenize", {"messages": CHAT, "add_special_tokens": True}, "add_special_tokens"),
+                              ("/tokenize", {"messages": CHAT, "continue_final_message": 1}, "continue_final_message"),
+                              ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens")]:
+        status, _, out = post(f"{http}{path}", body)
+        assert status == 400 and out["error"]["param"] == param, (path, body, out)
