@@ -65,6 +65,9 @@ class ParsedRequest:
 def parse_completion(body: Any, model: ServedModel) -> ParsedRequest:
     validate_body(body, chat=False)
     body = _common_checks(body, model)
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        if body.get(name) not in (None, [], "none"):
+            raise BadRequest(f"{name} is only served on /v1/chat/completions", param=name)
     batch = _prompt_batch(body.get("prompt"))
     prompts = [_one_prompt(p, model) for p in batch]
     lp = body.get("logprobs")
@@ -138,6 +141,8 @@ def parse_chat(body: Any, model: ServedModel) -> ParsedRequest:
     params = _sampling(body, max_tokens=max_tokens, default_max=model.max_model_len or 4096,
                        logprobs=(top or 0) if lp else None, defaults=model.sampling_defaults,
                        structured=None if plan is None else plan.structured)
+    if plan is not None and plan.parsed and body.get("skip_special_tokens") is None:
+        params = replace(params, skip_special_tokens=False)  # a model's call tags may be special tokens
     parsed = _fan_out(body, [ids], params, chat=True)
     parsed.tools = plan
     return parsed

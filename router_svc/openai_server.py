@@ -159,7 +159,8 @@ class OpenAIApp:
             else:
                 await self._collect(rid, choices, response, parsed)
         except RouterError as exc:
-            if parsed is not None and parsed.tools is not None and exc.param == "structured_outputs":
+            if parsed is not None and parsed.tools is not None and parsed.tools.structured is not None \
+                    and exc.param == "structured_outputs":
                 exc = BadRequest(f"tools: a function's parameters cannot be used as a grammar ({exc})", param="tools")
             ended_by = exc
             if not response.started:

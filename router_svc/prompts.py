@@ -74,6 +74,8 @@ class ServedModel:
                                               **(template_kwargs or {}))
         except ValueError as exc:  # the template's own error, or one naming the field it is about
             named = BadRequest.from_exception(exc, {"continue_final_message", "chat_template_kwargs"}).param
+            if named is None and template_kwargs and str(exc).startswith("chat template failed"):
+                named = "chat_template_kwargs"  # most likely what broke a template that renders without them
             raise BadRequest(str(exc), param=named or param) from None
 
 

@@ -126,22 +126,25 @@ def tool_plan(body: dict[str, Any], parser: str | None = None
         raise BadRequest("tool_choice constrains the output itself: drop response_format / structured_outputs",
                          param="tool_choice")
     if choice == "required":
-        items = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                  "properties": {"name": {"const": name}, "parameters": schema}} for name, schema in functions.items()]
+        shared, items = _hoist_definitions(functions), []
+        for function, schema in functions.items():
+            items.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                          "properties": {"name": {"const": function},
+                                         "parameters": {k: v for k, v in schema.items() if k not in _DEFS}}})
         one = items[0] if len(items) == 1 else {"anyOf": items}
-        array = {"type": "array", "minItems": 1, "items": one}
+        array = {"type": "array", "minItems": 1, "items": one, **shared}
         if body.get("parallel_tool_calls") is False:
             array["maxItems"] = 1
         return tools, ToolPlan({"json": array})
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None
-    if not isinstance(name, str):
+    if not isinstance(named, str):
         raise BadRequest('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                          '{"name": ...}}', param="tool_choice")
-    if name not in functions:
-        raise BadRequest(f"tool_choice names {name!r}, which is not among the tools ({', '.join(functions)})",
+    if named not in functions:
+        raise BadRequest(f"tool_choice names {named!r}, which is not among the tools ({', '.join(functions)})",
                          param="tool_choice")
-    return tools, ToolPlan({"json": functions[name]}, named=name)
+    return tools, ToolPlan({"json": functions[named]}, named=named)
 
 
 def _check_tools(tools: Any) -> dict[str, dict[str, Any]]:
@@ -162,6 +165,27 @@ def _check_tools(tools: Any) -> dict[str, dict[str, Any]]:
         if not isinstance(schema, dict):
             raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
         out[name] = schema or _ANY_OBJECT
+    return out
+
+
+_DEFS = ("$defs", "definitions")  # where a schema keeps the parts its "$ref"s point at
+
+
+def _hoist_definitions(functions: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each tool's `$defs` / `definitions`, merged for the root of the `required` array's schema: a
+    "#/$defs/X" inside a tool's parameters must resolve there (pydantic-made schemas use them). Two
+    tools that define one name differently are a 400."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, schema in functions.items():
+        for key in _DEFS:
+            defs = schema.get(key) or {}
+            if not isinstance(defs, dict):
+                raise BadRequest(f"tools: {name}'s parameters.{key} must be an object", param="tools")
+            for ref, definition in defs.items():
+                if out.setdefault(key, {}).setdefault(ref, definition) != definition:
+                    raise BadRequest(f"tools: two functions define {key}/{ref} differently: rename one "
+                                     f"(tool_choice 'required' puts every tool's definitions in one schema)",
+                                     param="tools")
     return out
 
 

@@ -4,11 +4,12 @@ free text (vLLM's --tool-call-parser; the router's `--tool-call-parser NAME` tur
 - `hermes` (Hermes 2/3, Qwen2.5 / Qwen3 and the templates that copy them): each call is
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, a last one possibly unclosed at the end.
 
-The text outside the calls is the message's content (None when only whitespace). A span between the
-tags that is not a call ({"name": str, "arguments": object}) stays in the content as the model wrote
-it, so a whole answer and a streamed one say the same thing: streamed, content goes out as it is
-generated except for a tail that could still become an opening tag, and each call goes out whole
-once its closing tag (or the end of the output) arrives.
+The text outside the calls is the message's content (None when there are calls and it is only
+whitespace). A span between the tags that is not a call ({"name": str, "arguments": object}) stays in
+the content as the model wrote it, so a whole answer and a streamed one say the same thing: streamed,
+content goes out as it is generated except for a tail that could still become an opening tag (and
+leading whitespace, until something else follows), and each call goes out whole once its closing tag
+(or the end of the output) arrives.
 """
 
 from __future__ import annotations
@@ -34,16 +35,20 @@ def parse_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     deltas = stream.feed(text, finished=True)
     content = "".join(d.get("content", "") for d in deltas)
     calls = [{k: v for k, v in c.items() if k != "index"} for d in deltas for c in d.get("tool_calls", ())]
-    return (content if content.strip() else None), calls
+    return content or None, calls
 
 
 @dataclass(slots=True)
 class HermesStream:
-    """One streamed choice: `feed` each chunk of text, get the deltas to send."""
+    """One streamed choice: `feed` each chunk of text, get the deltas to send. Whitespace before any other
+    content is held back: dropped if the answer turns out to be calls only (a whole answer's content is
+    then None), sent with what follows otherwise."""
 
     buffer: str = ""
     in_call: bool = False
     calls: int = 0
+    held: str = ""  # whitespace not sent yet (nothing else was)
+    said: bool = False  # some content was sent
 
     def feed(self, text: str, finished: bool) -> list[dict[str, Any]]:
         self.buffer += text
@@ -53,10 +58,12 @@ class HermesStream:
                 at = self.buffer.find(OPEN)
                 if at < 0:  # hold back a tail that may be the start of an opening tag
                     keep = 0 if finished else _open_prefix(self.buffer)
-                    _content(out, self.buffer[:len(self.buffer) - keep])
+                    self._say(out, self.buffer[:len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep:]
+                    if finished and self.held and not self.calls:
+                        out.append({"content": self.held})
                     return out
-                _content(out, self.buffer[:at])
+                self._say(out, self.buffer[:at])
                 self.buffer, self.in_call = self.buffer[at + len(OPEN):], True
                 continue
             end = self.buffer.find(CLOSE)
@@ -66,15 +73,19 @@ class HermesStream:
             self.buffer, self.in_call = (self.buffer[end + len(CLOSE):] if closed else ""), False
             call = _call(body)
             if call is None:  # not a call: the model's text, as written
-                _content(out, OPEN + body + (CLOSE if closed else ""))
+                self._say(out, OPEN + body + (CLOSE if closed else ""))
             else:
                 out.append({"tool_calls": [{"index": self.calls, **call}]})
                 self.calls += 1
 
-
-def _content(out: list[dict[str, Any]], text: str) -> None:
-    if text:
-        out.append({"content": text})
+    def _say(self, out: list[dict[str, Any]], text: str) -> None:
+        if not text:
+            return
+        if not self.said and not text.strip():
+            self.held += text
+            return
+        out.append({"content": self.held + text})
+        self.held, self.said = "", True
 
 
 def _open_prefix(text: str) -> int:

@@ -15,7 +15,9 @@ from tokenizers import Tokenizer as HFTokenizer
 
 # Names the template gets from the request itself: chat_template_kwargs cannot set them.
 RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
-                                     "bos_token", "eos_token"})
+                                     "bos_token", "eos_token", "self"})
+# transformers' marker for continue_final_message: the same mark makes the same cut.
+_CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_TAG "
 _CONTEXT_TOKENS = 6  # prompt tokens decoded with the output so leading spaces/merges come out right
 
 
@@ -102,13 +104,18 @@ class Tokenizer:
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._compiled = env.from_string(self.chat_template)
+        if continue_final_message and not messages:
+            raise ValueError("continue_final_message: there is no message to continue")
+        final = messages[-1]["content"] if messages else ""
+        if continue_final_message:  # marked, so the cut lands after the content however the template ends a turn
+            messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_MARK}]
         try:
             text = self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                          **template_kwargs)
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"chat template failed: {exc}") from exc
-        return _cut_after_final(text, messages[-1]["content"]) if continue_final_message else text
+        except Exception as exc:  # a template error, or one its variables cause (e.g. str + int)
+            raise ValueError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+        return _cut_at_mark(text, final) if continue_final_message else text
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, continue_final_message: bool = False,
@@ -119,16 +126,15 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
 
-def _cut_after_final(text: str, final: str) -> str:
-    """`text` up to the end of its last occurrence of the final message's content (as transformers
-    cuts it: with the content's trailing whitespace if the template kept it, else without)."""
-    core = final.strip()
-    at = text.rfind(core)  # an empty content is found at the end: the whole text
-    if at < 0:
+def _cut_at_mark(text: str, final: str) -> str:
+    """The rendered chat up to the final message's content (marked with _CONTINUE_MARK), cut as
+    transformers cuts it: at the mark, or at the mark less trailing space if the template trimmed it."""
+    mark = _CONTINUE_MARK.strip()
+    at = text.rfind(mark)
+    if at < 0 or final.strip() not in text:
         raise ValueError("continue_final_message: the last message's content does not appear in the rendered "
-                         "chat (the template drops it)")
-    kept = final.lstrip()
-    return text[:at + len(kept)] if text[at:at + len(kept)] == kept else text[:at + len(core)]
+                         "chat (the template drops or rewrites it)")
+    return text[:at] if text.startswith(_CONTINUE_MARK, at) else text[:at].rstrip()
 
 
 def _raise(message: str) -> None:

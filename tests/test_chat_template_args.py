@@ -51,6 +51,35 @@ def test_rendering_equals_transformers(ckpt, kw):
     assert ("<think></think>" in ours) == (kw.get("enable_thinking") is False)
 
 
+@pytest.mark.parametrize("final", ["end", "|>", "d", "", "  spaced  "])
+def test_continuing_cuts_right_after_the_content_whatever_it_holds(ckpt, final):
+    """The content may also occur in the template's own turn markers ("end" in "<|end|>"): the cut is
+    still right after the content, where transformers makes it."""
+    from transformers import AutoTokenizer
+
+    from tandem.tokenizer import Tokenizer
+
+    chat = [CHAT[0], {"role": "assistant", "content": final}]
+    kw = {"add_generation_prompt": False, "continue_final_message": True}
+    ours = Tokenizer(ckpt).apply_chat_template(chat, **kw)
+    assert ours == AutoTokenizer.from_pretrained(ckpt).apply_chat_template(chat, tokenize=False, **kw)
+    assert ours.endswith("<|assistant|>\n" + final)
+
+
+def test_a_template_that_fails_on_a_variable_is_a_value_error(tmp_path):
+    from tandem.tokenizer import Tokenizer
+
+    path = make_checkpoint(str(tmp_path / "ckpt"))
+    with open(f"{path}/tokenizer_config.json") as f:
+        cfg = json.load(f)
+    with open(f"{path}/tokenizer_config.json", "w") as f:
+        json.dump({**cfg, "chat_template": "{{ 'Reasoning: ' + reasoning_effort }}{{ messages[0]['content'] }}"}, f)
+    tok = Tokenizer(path)
+    assert tok.apply_chat_template(CHAT[:1], reasoning_effort="low") == "Reasoning: lowdef add(a, b):"
+    with pytest.raises(ValueError, match="chat template failed: TypeError"):
+        tok.apply_chat_template(CHAT[:1], reasoning_effort=1)
+
+
 def test_continuing_a_message_the_template_strips_cuts_where_transformers_does(tmp_path):
     from transformers import AutoTokenizer
 
@@ -107,6 +136,7 @@ def test_continue_final_message_through_the_front_door(ckpt, http):
 @pytest.mark.parametrize("extra,param", [
     ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"self": 1}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
     ({"continue_final_message": "yes"}, "continue_final_message"),
 ])

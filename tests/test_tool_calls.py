@@ -158,6 +158,34 @@ def test_tool_choice_none_is_an_ordinary_answer_over_the_tools_prompt(cluster):
     assert resp.choices[0].message.content == offline_greedy(cluster["ckpt"], MESSAGES, None, 12)
 
 
+def test_required_resolves_each_tools_definitions(cluster):
+    """Schemas made by pydantic keep their parts under $defs: they resolve inside the one schema
+    tool_choice 'required' builds from every tool."""
+    place = {"$defs": {"Place": {"type": "object", "additionalProperties": False, "required": ["city"],
+                                 "properties": {"city": {"type": "string", "maxLength": 6}}}},
+             "type": "object", "additionalProperties": False, "required": ["at"],
+             "properties": {"at": {"$ref": "#/$defs/Place"}}}
+    tools = [*TOOLS, {"type": "function", "function": {"name": "visit", "parameters": place}}]
+    for seed in range(3):
+        resp = cluster["client"].chat.completions.create(model="", messages=MESSAGES, tools=tools, seed=seed,
+                                                         tool_choice="required", parallel_tool_calls=False,
+                                                         temperature=1.0, max_tokens=120)
+        (call,) = resp.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), {**SCHEMAS, "visit": place}[call.function.name])
+    clash = {**place, "$defs": {"Place": {"type": "string"}}}
+    status, _, out = post(f"{cluster['http']}/v1/chat/completions", {
+        "messages": MESSAGES, "max_tokens": 4, "tool_choice": "required",
+        "tools": [*tools, {"type": "function", "function": {"name": "go", "parameters": clash}}]})
+    assert status == 400 and out["error"]["param"] == "tools" and "Place" in out["error"]["message"], out
+
+
+def test_completions_refuse_tools(cluster):
+    for extra, param in (({"tools": TOOLS, "tool_choice": "required"}, "tools"),
+                         ({"tool_choice": NAMED}, "tool_choice")):
+        status, _, out = post(f"{cluster['http']}/v1/completions", {"prompt": "x", "max_tokens": 2, **extra})
+        assert status == 400 and out["error"]["param"] == param, out
+
+
 @pytest.mark.parametrize("extra,param", [
     ({"tools": TOOLS}, "tool_choice"),  # "auto" by default: no parser
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),

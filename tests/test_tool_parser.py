@@ -41,16 +41,32 @@ def test_a_streamed_answer_split_anywhere_says_what_the_whole_one_says():
     content, calls = parse_calls(text)
     assert content == "Sure.\n<tool_call>not json</tool_call> then <tool_c"  # a span that is no call stays text
     assert _named(calls) == [("a", '{"x": [1, 2]}'), ("b", "{}")]
-    for cut in range(len(text) + 1):
-        for second in range(cut, len(text) + 1):
-            stream = HermesStream()
-            deltas = stream.feed(text[:cut], False) + stream.feed(text[cut:second], False) + stream.feed(
-                text[second:], True)
-            assert "".join(d.get("content", "") for d in deltas) == content
-            streamed = [c for d in deltas for c in d.get("tool_calls", ())]
-            assert _named(streamed) == _named(calls) and [c["index"] for c in streamed] == [0, 1]
+    call = '<tool_call>{"name": "c", "arguments": {}}</tool_call>'
+    for sample in (text, f"\n{call}\n\n{call}\n", "  \n", f"A{call}\n", f" \n{call} B", ""):
+        whole, calls = parse_calls(sample)
+        for cut in range(len(sample) + 1):
+            for second in range(cut, len(sample) + 1):
+                stream = HermesStream()
+                deltas = stream.feed(sample[:cut], False) + stream.feed(sample[cut:second], False) + stream.feed(
+                    sample[second:], True)
+                assert "".join(d.get("content", "") for d in deltas) == (whole or ""), (sample, cut, second)
+                streamed = [c for d in deltas for c in d.get("tool_calls", ())]
+                assert _named(streamed) == _named(calls) and [c["index"] for c in streamed] == list(range(len(calls)))
+    assert parse_calls(f"\n{call}\n\n{call}\n")[0] is None  # calls and only whitespace: no content
+    assert parse_calls("  \n") == ("  \n", []) and parse_calls(f"A{call}\n")[0] == "A\n"
     assert parse_calls('<tool_call>{"name": "c", "arguments": {"k": 1}}')[1][0]["function"]["name"] == "c"  # unclosed
     assert parse_calls("no calls here") == ("no calls here", [])
+
+
+def test_auto_keeps_special_tokens_so_call_tags_that_are_special_reach_the_parser(tmp_path):
+    from router_svc.openai_api import parse_chat
+    from router_svc.prompts import ServedModel
+
+    model = ServedModel(make_checkpoint(str(tmp_path / "ckpt")), tool_call_parser="hermes")
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
+    assert parse_chat(body, model).params[0].skip_special_tokens is False
+    assert parse_chat({**body, "skip_special_tokens": True}, model).params[0].skip_special_tokens is True
+    assert parse_chat({**body, "tool_choice": "none"}, model).params[0].skip_special_tokens is True
 
 
 def _memorizing_checkpoint(path: str) -> str:
@@ -121,6 +137,15 @@ def test_auto_reads_the_models_calls_whole_and_streamed(client, question):
     deltas = [t for c in chunks for t in c.delta.tool_calls or []]
     assert [(t.function.name, t.function.arguments) for t in deltas] == calls
     assert [t.index for t in deltas] == list(range(len(calls)))
+
+
+@pytest.mark.slow
+def test_a_bad_response_format_under_auto_is_named_as_such(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="", messages=[{"role": "user", "content": "hello"}], tools=TOOLS,
+                                       max_tokens=4, response_format={"type": "json_schema", "json_schema": {
+                                           "name": "x", "schema": {"type": "string", "pattern": "(unclosed"}}})
+    assert err.value.body["param"] == "structured_outputs"  # the client's grammar, not the tools'
 
 
 @pytest.mark.slow

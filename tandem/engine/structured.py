@@ -213,7 +213,9 @@ def best_allowed(rows: torch.Tensor, picked: list[int], states: list[GrammarStat
     next best cost as much again). Exact, ties included: the candidates come in the order argmax
     (the first maximum) would pick them were the ones before masked out — value desc, index asc
     (fused.topk_rows) — so the first one the grammar allows is the masked argmax. A row holding a
-    NaN has no candidates (its argmax is the first NaN): None."""
+    NaN has no candidates (its argmax is the first NaN): None. (One corner differs, as it did before:
+    where every allowed candidate is -inf, this picks the first allowed by index; a mask would leave
+    only -inf and its argmax, token 0, may be one the grammar refuses.)"""
     ranked = fused.topk_rows(rows, picked, min(CANDIDATES, rows.shape[1]))
     return [next((t for t in candidates or () if state.allows(t)), None) for candidates, state in zip(ranked, states)]
 
