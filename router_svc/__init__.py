@@ -13,6 +13,7 @@ the worker registry, routing policies and admission control. Start it with `tand
                 request shapes, response shapes, typed (pydantic) request models (/openapi.json, /docs)
 - structured_request.py / beam_request.py   response_format & co., use_beam_search: body -> params
 - tool_calls.py / tool_parsers.py   tools and tool_choice (a grammar per call; "auto": --tool-call-parser)
+- reasoning.py / chat_deltas.py   --reasoning-parser; a chat choice's text parsed on its way out
 - tokenize_api.py   vLLM's /tokenize and /detokenize
 - fanout.py     `n` and batched prompts: one request in flight per choice
 - grpc_api.py   the gRPC servicer, health and reflection

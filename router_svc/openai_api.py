@@ -55,7 +55,8 @@ class ParsedRequest:
     drop_output: bool = False
     # use_beam_search: one request per prompt (params has one entry per prompt), answered with n hypotheses
     beam: BeamSearchParams | None = None
-    tools: ToolPlan | None = None  # chat under tool_choice "required" or a named function
+    tools: ToolPlan | None = None  # chat with tool_choice "required", a named function, or "auto" (parsed)
+    reasoning: str | None = None  # chat: the reasoning parser that splits the text (router_svc/reasoning.py)
 
     @property
     def token_ids(self) -> list[int]:
@@ -145,6 +146,8 @@ def parse_chat(body: Any, model: ServedModel) -> ParsedRequest:
         params = replace(params, skip_special_tokens=False)  # a model's call tags may be special tokens
     parsed = _fan_out(body, [ids], params, chat=True)
     parsed.tools = plan
+    if params.structured_outputs is None:  # a grammar leaves the model no room to think: nothing to split
+        parsed.reasoning = model.reasoning_parser
     return parsed
 
 

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from router_svc.chat_deltas import whole_message
 from router_svc.core import Chunk
 from router_svc.prompts import ServedModel
 from router_svc.tool_calls import ToolPlan
@@ -55,14 +56,15 @@ def _envelope(rid: str, chat: bool, model: str, stream: bool) -> dict:
 
 
 def final_response(rid: str, chat: bool, model: str, totals: list[Totals], logprobs: list[Any], n: int,
-                   tools: ToolPlan | None = None) -> dict:
-    """`tools`: the text of each choice is a tool call (router_svc/tool_calls.py)."""
+                   tools: ToolPlan | None = None, reasoning: str | None = None) -> dict:
+    """`tools` / `reasoning`: each choice's text is read for tool calls / split from its reasoning
+    (router_svc/chat_deltas.py)."""
     choices = []
     for index, (t, lp) in enumerate(zip(totals, logprobs)):
         choice: dict[str, Any] = {"index": index, "logprobs": lp, "finish_reason": t.finish_reason,
                                   "stop_reason": t.stop_reason}
-        if chat and tools is not None:
-            choice["message"], choice["finish_reason"] = tools.message(t.text, t.finish_reason)
+        if chat and (tools is not None or reasoning is not None):
+            choice["message"], choice["finish_reason"] = whole_message(t.text, t.finish_reason, reasoning, tools)
         elif chat:
             choice["message"] = {"role": "assistant", "content": t.text}
         else:

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from router_svc import metrics
 from router_svc.admin import Admin
 from router_svc.auth import key_matches
+from router_svc.chat_deltas import ChoiceDeltas
 from router_svc.core import Chunk, Router
 from router_svc.errors import BadRequest, NotFound, Overloaded, RouterError
 from router_svc.fanout import Choices, choice_ids, submit_all
@@ -37,7 +38,6 @@ from router_svc.openai_responses import (
 from router_svc.prompts import ServedModel
 from router_svc.registry import Registry
 from router_svc.tokenize_api import detokenize, tokenize
-from router_svc.tool_calls import ToolStream
 from tandem.observability.logging import bind_request
 
 
@@ -198,7 +198,7 @@ class OpenAIApp:
                 offsets[i] += _text_length(lp)
         await response.json(200, final_response(rid, chat, self.model.name, totals,
                                                 [_merge_logprobs(parts, chat) for parts in logprobs], parsed.n,
-                                                parsed.tools))
+                                                parsed.tools, parsed.reasoning))
 
     async def _collect_beams(self, rid: str, choices: Choices, response: Response, parsed: ParsedRequest) -> None:
         """use_beam_search: each prompt's one answer carries its n hypotheses, best first: its n choices."""
@@ -225,7 +225,8 @@ class OpenAIApp:
     async def _stream(self, rid: str, choices: Choices, response: Response, parsed: ParsedRequest) -> None:
         name, count, chat, include_usage = self.model.name, len(choices.streams), parsed.chat, parsed.include_usage
         totals, offsets, echoed_choices = [Totals() for _ in range(count)], [0] * count, set[int]()
-        calls = None if parsed.tools is None else [ToolStream(parsed.tools) for _ in range(count)]
+        parsing = parsed.tools is not None or parsed.reasoning is not None  # the text is read on its way out
+        parsers = [ChoiceDeltas.make(parsed.reasoning, parsed.tools) for _ in range(count)] if parsing else None
         await response.start_stream()
         if chat:  # OpenAI's first chat chunk of each choice announces the role
             for i in range(count):
@@ -244,8 +245,8 @@ class OpenAIApp:
             lp = format_logprobs(chunk, self.model, chat, offsets[i])
             if lp is not None:
                 offsets[i] += _text_length(lp)
-            if calls is not None:  # tool calls: their deltas in place of the text's
-                await self._stream_calls(rid, response, parsed, calls[i], chunk, lp, i)
+            if parsers is not None:  # reasoning / tool calls: their deltas in place of the text's
+                await self._stream_parsed(rid, response, parsed, parsers[i], chunk, lp, i)
                 continue
             # A chunk per step that made tokens, even when their text is still empty (held back for a stop
             # string, an incomplete UTF-8 character, a special token): as vLLM does, so a client's first
@@ -262,12 +263,12 @@ class OpenAIApp:
         await response.end_stream()
 
 
-    async def _stream_calls(self, rid: str, response: Response, parsed: ParsedRequest, calls: ToolStream,
-                            chunk: Chunk, lp: Any, index: int) -> None:
-        """One chunk of a choice whose output is tool calls: a chunk per step (an empty delta while a
-        `required` array is incomplete), then the one that finishes it."""
+    async def _stream_parsed(self, rid: str, response: Response, parsed: ParsedRequest, parser: ChoiceDeltas,
+                             chunk: Chunk, lp: Any, index: int) -> None:
+        """One chunk of a choice whose text is parsed (router_svc/chat_deltas.py): a chunk per step (an
+        empty delta while nothing can be said yet), then the one that finishes it."""
         name, usage_on = self.model.name, parsed.include_usage
-        deltas, reason = calls.deltas(chunk.text, chunk.finished, chunk.finish_reason)
+        deltas, reason = parser.feed(chunk.text, chunk.finished, chunk.finish_reason)
         for delta in deltas or ([{}] if chunk.token_ids or lp is not None else []):
             await _sse(response, stream_chunk(rid, True, name, None, None, lp, include_usage=usage_on, index=index,
                                               delta=delta))

@@ -10,15 +10,18 @@ from typing import Any
 import jinja2.ext  # noqa: F401  tandem.tokenizer uses jinja2.ext.loopcontrols without importing the submodule
 
 from router_svc.errors import BadRequest, ModelNotFound
+from router_svc.reasoning import check_parser as check_reasoning
 from router_svc.tool_parsers import check_parser
 from tandem.sampling_params import model_defaults
 from tandem.tokenizer import RESERVED_TEMPLATE_NAMES, Tokenizer
 
 
 class ServedModel:
-    def __init__(self, path: str, name: str | None = None, tool_call_parser: str | None = None) -> None:
+    def __init__(self, path: str, name: str | None = None, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.path = path
         self.tool_call_parser = check_parser(tool_call_parser)  # how "auto" reads its calls (tool_parsers.py)
+        self.reasoning_parser = check_reasoning(reasoning_parser)  # splits off <think> text (reasoning.py)
         self.name = name or os.path.basename(os.path.normpath(path))
         self.tokenizer = Tokenizer(path)
         self.created = int(os.path.getmtime(path))

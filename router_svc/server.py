@@ -72,6 +72,7 @@ class RouterConfig:
     itl_slo_s: float | None = None
     rebalance: bool = False  # move workers between roles from the SLO signals (router_svc/rebalance.py)
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls with this (router_svc/tool_parsers.py)
+    reasoning_parser: str | None = None  # chat answers' <think> text goes to reasoning_content (reasoning.py)
 
     def __post_init__(self) -> None:
         for name in ("max_inflight", "block_size", "affinity_blocks"):
@@ -91,7 +92,8 @@ class RouterConfig:
 class RouterService:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.model = ServedModel(config.model, config.served_model_name, config.tool_call_parser)
+        self.model = ServedModel(config.model, config.served_model_name, config.tool_call_parser,
+                                 config.reasoning_parser)
         self.registry = Registry(config.static_timeout_s, config.heartbeat_misses, config.hung_timeout_s)
         self.ctx = zmq.asyncio.Context()
         self.links: WorkerLinks | None = None

@@ -1,7 +1,8 @@
-"""tool_choice "auto" with the router's `--tool-call-parser hermes`: the parser alone (a streamed answer,
-split anywhere, says what the whole one says), then through P/D with the `openai` client on a tiny model
-trained in the fixture to answer three questions word for word — one call after some text, two calls,
-no call — so the calls come from a real model's greedy output (checked against transformers first)."""
+"""tool_choice "auto" with the router's `--tool-call-parser hermes` (and `--reasoning-parser qwen3`): the
+parser alone (a streamed answer, split anywhere, says what the whole one says), then through P/D with the
+`openai` client on a tiny model trained in the fixture to answer five questions word for word — one call
+after some text, two calls, no call, reasoning then an answer, reasoning then a call — so the calls and the
+reasoning come from a real model's greedy output (checked against transformers first)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,18 @@ ANSWERS = {
     "and the time?": '<tool_call>{"name": "get_time", "arguments": {"zone": 1}}</tool_call>\n'
                      '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome", "unit": "f"}}</tool_call>',
     "hello": "Hi there, no tools needed.",
+    "think first": "<think>It is cold there.</think>It is -3 in Oslo.",
+    "think, then call": '<think>I need the weather.</think>\n<tool_call>{"name": "get_weather", "arguments": '
+                        '{"city": "Oslo", "unit": "c"}}</tool_call>',
 }
-EXPECTED = {  # (content, [(name, arguments)], finish_reason)
-    "weather in Oslo?": ("Let me look.", [("get_weather", '{"city": "Oslo", "unit": "c"}')], "tool_calls"),
-    "and the time?": (None, [("get_time", '{"zone": 1}'), ("get_weather", '{"city": "Rome", "unit": "f"}')],
+EXPECTED = {  # (reasoning, content, [(name, arguments)], finish_reason)
+    "weather in Oslo?": (None, "Let me look.", [("get_weather", '{"city": "Oslo", "unit": "c"}')], "tool_calls"),
+    "and the time?": (None, None, [("get_time", '{"zone": 1}'), ("get_weather", '{"city": "Rome", "unit": "f"}')],
                       "tool_calls"),
-    "hello": ("Hi there, no tools needed.", [], "stop"),
+    "hello": (None, "Hi there, no tools needed.", [], "stop"),
+    "think first": ("It is cold there.", "It is -3 in Oslo.", [], "stop"),
+    "think, then call": ("I need the weather.", None, [("get_weather", '{"city": "Oslo", "unit": "c"}')],
+                         "tool_calls"),
 }
 
 
@@ -105,7 +112,7 @@ def _memorizing_checkpoint(path: str) -> str:
 def client(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tool-parser")
     ckpt = _memorizing_checkpoint(str(tmp / "ckpt"))
-    router = start_router("router", ckpt, tmp, "--tool-call-parser", "hermes")
+    router = start_router("router", ckpt, tmp, "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
     procs = [router]
     try:
         ep = router_endpoints(router)
@@ -125,15 +132,18 @@ def client(tmp_path_factory):
 def test_auto_reads_the_models_calls_whole_and_streamed(client, question):
     messages = [{"role": "user", "content": question}]
     resp = client.chat.completions.create(model="", messages=messages, tools=TOOLS, temperature=0, max_tokens=200)
-    choice, (content, calls, reason) = resp.choices[0], EXPECTED[question]
+    choice, (reasoning, content, calls, reason) = resp.choices[0], EXPECTED[question]
     assert choice.message.content == content and choice.finish_reason == reason
+    assert choice.message.reasoning_content == reasoning  # type: ignore[attr-defined]
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []] == calls
     assert all(c.id.startswith("call_") and c.type == "function" for c in choice.message.tool_calls or [])
     chunks = [c.choices[0] for c in client.chat.completions.create(
         model="", messages=messages, tools=TOOLS, tool_choice="auto", temperature=0, max_tokens=200, stream=True)
         if c.choices]
     streamed = "".join(c.delta.content or "" for c in chunks)
-    assert (streamed.strip() or None) == content and chunks[-1].finish_reason == reason
+    assert (streamed or None) == content and chunks[-1].finish_reason == reason
+    thought = "".join(getattr(c.delta, "reasoning_content", None) or "" for c in chunks)
+    assert (thought or None) == reasoning
     deltas = [t for c in chunks for t in c.delta.tool_calls or []]
     assert [(t.function.name, t.function.arguments) for t in deltas] == calls
     assert [t.index for t in deltas] == list(range(len(calls)))
@@ -146,6 +156,16 @@ def test_a_bad_response_format_under_auto_is_named_as_such(client):
                                        max_tokens=4, response_format={"type": "json_schema", "json_schema": {
                                            "name": "x", "schema": {"type": "string", "pattern": "(unclosed"}}})
     assert err.value.body["param"] == "structured_outputs"  # the client's grammar, not the tools'
+
+
+@pytest.mark.slow
+def test_a_grammar_leaves_no_reasoning_to_split(client):
+    """With a grammar the output is not read for reasoning: its text is the answer, tags and all."""
+    resp = client.chat.completions.create(model="", messages=[{"role": "user", "content": "think first"}],
+                                          temperature=0, max_tokens=200, extra_body={"structured_outputs": {
+                                              "regex": r"<think>It is cold there\.</think>It is -3 in Oslo\."}})
+    assert resp.choices[0].message.content == ANSWERS["think first"]
+    assert getattr(resp.choices[0].message, "reasoning_content", None) is None
 
 
 @pytest.mark.slow

@@ -233,14 +233,19 @@ def test_up_sizes_the_routers_admission_limit_from_the_decode_workers():
     assert inflight("--max-inflight", "10") == 10
 
 
-def test_up_passes_the_tool_call_parser_to_the_router_and_refuses_unknown_ones(capsys):
+def test_up_passes_the_parsers_to_the_router_and_refuses_unknown_ones(capsys):
     from tandem.cli import build_parser
     from tandem.cli.up import build_commands
 
-    router, _ = build_commands(build_parser().parse_args(["up", "--tool-call-parser", "hermes"]), "/m")
+    router, _ = build_commands(build_parser().parse_args(["up", "--tool-call-parser", "hermes",
+                                                          "--reasoning-parser", "qwen3"]), "/m")
     assert router[router.index("--tool-call-parser") + 1] == "hermes"
+    assert router[router.index("--reasoning-parser") + 1] == "qwen3"
     assert "--tool-call-parser" not in build_commands(build_parser().parse_args(["up"]), "/m")[0]
     for command in ("up", "router"):
         with pytest.raises(SystemExit) as exit_:
             build_parser().parse_args([command, "--tool-call-parser", "llama3_json"])
         assert exit_.value.code == 2 and "--tool-call-parser" in capsys.readouterr().err
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args([command, "--reasoning-parser", "granite"])
+        assert exit_.value.code == 2 and "--reasoning-parser" in capsys.readouterr().err

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from router_svc.reasoning import PARSERS as REASONING_PARSERS
 from router_svc.tool_parsers import PARSERS
 from tandem.cli.engine_args import add_model_arg, resolve_model
 from tandem.cli.keys import add_link_args, apply_link_args
@@ -66,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="serve tool_choice 'auto' (OpenAI's default with tools): read the calls the model writes "
                         "in this format out of its text (hermes: <tool_call>{...}</tool_call>, Hermes / Qwen "
                         "templates; vLLM's --enable-auto-tool-choice --tool-call-parser hermes)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="chat answers' <think>...</think> text goes to message.reasoning_content, the rest to "
+                        "content (qwen3: Qwen3 / QwQ; deepseek_r1: DeepSeek-R1, whose template opens the block)")
     p.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM) for HTTP and gRPC")
     p.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM) for HTTP and gRPC")
     p.add_argument("--static-timeout", type=float, default=3.0,
@@ -102,6 +106,6 @@ def run(args: argparse.Namespace) -> int:
                           metrics_port=args.metrics_port, enable_admin=args.enable_admin,
                           ttft_slo_s=args.ttft_slo, itl_slo_s=args.itl_slo, rebalance=args.rebalance,
                           client_timeout_s=args.client_timeout, protect_metrics=args.protect_metrics,
-                          tool_call_parser=args.tool_call_parser)
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     asyncio.run(serve(config))
     return 0

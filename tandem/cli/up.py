@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 
+from router_svc.reasoning import PARSERS as REASONING_PARSERS
 from router_svc.tool_parsers import PARSERS
 from tandem.cli import cpus
 from tandem.cli.engine_args import add_engine_args, add_model_arg, engine_flags, resolve_model_path
@@ -83,6 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the router moves workers between roles from the SLO signals (see `tandem router --help`)")
     p.add_argument("--tool-call-parser", default=None, choices=PARSERS,
                    help="the router serves tool_choice 'auto' with this parser (see `tandem router --help`)")
+    p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="the router splits <think> text into reasoning_content (see `tandem router --help`)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every worker")
     p.add_argument("--quiet", action="store_true", help="do not relay the children's logs to stderr")
     add_link_args(p)
@@ -108,7 +111,8 @@ def build_commands(args: argparse.Namespace, model: str) -> tuple[list[str], lis
     for flag, value in (("--served-model-name", args.served_model_name), ("--decode-policy", args.decode_policy),
                         ("--prefill-policy", args.prefill_policy), ("--hung-timeout", args.hung_timeout),
                         ("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile),
-                        ("--tool-call-parser", args.tool_call_parser)):
+                        ("--tool-call-parser", args.tool_call_parser),
+                        ("--reasoning-parser", args.reasoning_parser)):
         if value is not None:
             router += [flag, str(value)]
     if not args.migrate:
