@@ -64,8 +64,21 @@ def prompt_from_proto(request: pb.GenerateRequest, model: ServedModel) -> list[i
     if which == "token_ids":
         return model.check_ids(list(request.token_ids.ids), param="token_ids")
     if which == "chat":
-        return model.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages],
-                                 param="chat")
+        chat = request.chat
+        kwargs = None
+        if chat.HasField("chat_template_kwargs"):
+            try:
+                kwargs = json.loads(chat.chat_template_kwargs)
+            except ValueError:
+                kwargs = None
+            if not isinstance(kwargs, dict):
+                raise BadRequest("chat_template_kwargs must be a JSON object's text, e.g. '{\"enable_thinking\": "
+                                 "false}'", param="chat_template_kwargs")
+        continuing = chat.HasField("continue_final_message") and chat.continue_final_message
+        adding = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else not continuing
+        return model.encode_chat([{"role": m.role, "content": m.content} for m in chat.messages], param="chat",
+                                 add_generation_prompt=adding, continue_final_message=continuing,
+                                 template_kwargs=kwargs)
     raise BadRequest("the request has no prompt: set one of text, token_ids, chat", param="prompt")
 
 

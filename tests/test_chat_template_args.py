@@ -1,7 +1,7 @@
 """vLLM's chat-template fields: `add_generation_prompt`, `continue_final_message` and
 `chat_template_kwargs` render exactly as transformers' apply_chat_template renders them, offline and
-through the front door (a colocated worker: the prompt it was sent is the one rendered here, and the
-continuation equals the offline engine's), and misuse is a 400 naming the field. Also vLLM's
+through the front door, HTTP and gRPC (a colocated worker: the prompt it was sent is the one rendered
+here, and the continuation equals the offline engine's), and misuse is a 400 naming the field. Also vLLM's
 /tokenize (text, or a chat rendered as above) and /detokenize."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import sys
 
+import grpc
 import pytest
-from service_procs import Proc, post, router_endpoints, start_router, stop_all, wait_workers
+from service_procs import Proc, grpc_stub, post, router_endpoints, start_router, stop_all, wait_workers
 from tiny_models import make_checkpoint
 
 # Reads a template variable (as Qwen3's reads enable_thinking) and keeps the content's spacing.
@@ -98,7 +99,7 @@ def test_continuing_a_message_the_template_strips_cuts_where_transformers_does(t
 
 
 @pytest.fixture(scope="module")
-def http(ckpt, tmp_path_factory):
+def served(ckpt, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("template-serve")
     router = start_router("router", ckpt, tmp)
     procs = [router]
@@ -108,15 +109,17 @@ def http(ckpt, tmp_path_factory):
                                      "none", "--listen", "tcp://127.0.0.1:0", "--router", ep["listen"],
                                      "--num-kv-blocks", "64"], tmp))
         wait_workers(ep["http"], decode=1)
-        yield ep["http"]
+        yield ep
     finally:
         stop_all(procs)
 
 
 @pytest.mark.slow
-def test_continue_final_message_through_the_front_door(ckpt, http):
+def test_continue_final_message_through_the_front_door(ckpt, served):
     from tandem import LLM, SamplingParams
+    from tandem.protocol import generation_pb2 as pb
 
+    http = served["http"]
     body = {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": False, "temperature": 0,
             "max_tokens": 8, "ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
     status, _, out = post(f"{http}/v1/chat/completions", body)
@@ -130,6 +133,15 @@ def test_continue_final_message_through_the_front_door(ckpt, http):
                                                            "add_generation_prompt": None})
     thinking = llm.tokenizer.encode_chat(CHAT, enable_thinking=False)
     assert status == 200 and out["usage"]["prompt_tokens"] == len(thinking), out
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in CHAT], continue_final_message=True,
+                           chat_template_kwargs='{"enable_thinking": false}')
+    sampling = pb.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    replies = list(grpc_stub(served["grpc"]).Generate(pb.GenerateRequest(chat=chat, sampling=sampling), timeout=60))
+    assert "".join(r.text for r in replies) == want and replies[-1].usage.prompt_tokens == len(ids)
+    bad = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in CHAT], chat_template_kwargs="[1]")
+    with pytest.raises(grpc.RpcError) as err:
+        list(grpc_stub(served["grpc"]).Generate(pb.GenerateRequest(chat=bad, sampling=sampling), timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "chat_template_kwargs" in err.value.details()
 
 
 @pytest.mark.slow
@@ -140,7 +152,8 @@ def test_continue_final_message_through_the_front_door(ckpt, http):
     ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
     ({"continue_final_message": "yes"}, "continue_final_message"),
 ])
-def test_misuse_is_a_400_naming_the_field(http, extra, param):
+def test_misuse_is_a_400_naming_the_field(served, extra, param):
+    http = served["http"]
     status, _, out = post(f"{http}/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, **extra})
     assert status == 400 and out["error"]["param"] == param, out
     status, _, out = post(f"{http}/v1/chat/completions", {"messages": CHAT, "max_tokens": 2})
@@ -150,9 +163,10 @@ def test_misuse_is_a_400_naming_the_field(http, extra, param):
 
 
 @pytest.mark.slow
-def test_tokenize_and_detokenize(ckpt, http):
+def test_tokenize_and_detokenize(ckpt, served):
     from tandem.tokenizer import Tokenizer
 
+    http = served["http"]
     tok = Tokenizer(ckpt)
     status, _, out = post(f"{http}/tokenize", {"prompt": "def f(x):"})
     assert status == 200 and out["tokens"] == tok.encode("def f(x):") and out["count"] == len(out["tokens"]), out

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n tandem/protocol/generation.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf0\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x1f\n\x12structured_outputs\x18\x0b \x01(\tH\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\x0b\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\r\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08H\x0e\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x15\n\x13_structured_outputsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokens\"\xce\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\tB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"\xad\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12)\n\x08logprobs\x18\t \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x17.tandem.v1.TokenLogprobB\r\n\x0bstop_reason2S\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n tandem/protocol/generation.proto\x12\ttandem.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf2\x01\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12#\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12!\n\x14\x63hat_template_kwargs\x18\x04 \x01(\tH\x02\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x19\n\x17_continue_final_messageB\x17\n\x15_chat_template_kwargs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf0\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x1f\n\x12structured_outputs\x18\x0b \x01(\tH\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x01H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x01H\n\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\x0b\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\x0c\x88\x01\x01\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\r\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x12 \x01(\x08H\x0e\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x0f\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x15\n\x13_structured_outputsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x16\n\x14_skip_special_tokens\"\xce\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\r\n\x05model\x18\x06 \x01(\tB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"\xad\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12)\n\x08logprobs\x18\t \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x17.tandem.v1.TokenLogprobB\r\n\x0bstop_reason2S\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,24 +35,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=47
   _globals['_CHATMESSAGE']._serialized_end=91
-  _globals['_CHATMESSAGES']._serialized_start=93
-  _globals['_CHATMESSAGES']._serialized_end=149
-  _globals['_TOKENIDS']._serialized_start=151
-  _globals['_TOKENIDS']._serialized_end=174
-  _globals['_SAMPLINGPARAMS']._serialized_start=177
-  _globals['_SAMPLINGPARAMS']._serialized_end=1057
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=732
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=780
-  _globals['_GENERATEREQUEST']._serialized_start=1060
-  _globals['_GENERATEREQUEST']._serialized_end=1266
-  _globals['_USAGE']._serialized_start=1268
-  _globals['_USAGE']._serialized_end=1348
-  _globals['_TOPLOGPROB']._serialized_start=1350
-  _globals['_TOPLOGPROB']._serialized_end=1397
-  _globals['_TOKENLOGPROB']._serialized_start=1399
-  _globals['_TOKENLOGPROB']._serialized_end=1484
-  _globals['_GENERATERESPONSE']._serialized_start=1487
-  _globals['_GENERATERESPONSE']._serialized_end=1788
-  _globals['_GENERATION']._serialized_start=1790
-  _globals['_GENERATION']._serialized_end=1873
+  _globals['_CHATMESSAGES']._serialized_start=94
+  _globals['_CHATMESSAGES']._serialized_end=336
+  _globals['_TOKENIDS']._serialized_start=338
+  _globals['_TOKENIDS']._serialized_end=361
+  _globals['_SAMPLINGPARAMS']._serialized_start=364
+  _globals['_SAMPLINGPARAMS']._serialized_end=1244
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=919
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=967
+  _globals['_GENERATEREQUEST']._serialized_start=1247
+  _globals['_GENERATEREQUEST']._serialized_end=1453
+  _globals['_USAGE']._serialized_start=1455
+  _globals['_USAGE']._serialized_end=1535
+  _globals['_TOPLOGPROB']._serialized_start=1537
+  _globals['_TOPLOGPROB']._serialized_end=1584
+  _globals['_TOKENLOGPROB']._serialized_start=1586
+  _globals['_TOKENLOGPROB']._serialized_end=1671
+  _globals['_GENERATERESPONSE']._serialized_start=1674
+  _globals['_GENERATERESPONSE']._serialized_end=1975
+  _globals['_GENERATION']._serialized_start=1977
+  _globals['_GENERATION']._serialized_end=2060
 # @@protoc_insertion_point(module_scope)
