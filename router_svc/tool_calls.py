@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router_svc.errors import BadRequest
-from router_svc.tool_parsers import HermesStream, parse_calls
+from router_svc.tool_parsers import parse_calls
+from router_svc.tool_parsers import reader as make_reader
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -41,12 +42,16 @@ class ToolPlan:
 
     structured: dict[str, Any] | None  # the grammar, as SamplingParams.structured_outputs
     named: str | None = None
-    parsed: bool = False  # "auto": calls read out of free text (tool_parsers.py)
+    parser: str | None = None  # "auto": calls read out of free text by this parser (tool_parsers.py)
+
+    @property
+    def parsed(self) -> bool:
+        return self.parser is not None
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """A whole answer's chat message and finish_reason."""
-        if self.parsed:
-            content, found = parse_calls(text)
+        if self.parser is not None:
+            content, found = parse_calls(text, self.parser)
             if not found:
                 return {"role": "assistant", "content": content or ""}, finish_reason
             return ({"role": "assistant", "content": content, "tool_calls": found},
@@ -77,7 +82,11 @@ class ToolStream:
     call_id: str = field(default_factory=lambda: _call_id())
     text: str = ""
     started: bool = False
-    reader: HermesStream = field(default_factory=HermesStream)
+    reader: Any = None  # tool_parsers' reader, for "auto"
+
+    def __post_init__(self) -> None:
+        if self.plan.parser is not None:
+            self.reader = make_reader(self.plan.parser)
 
     def deltas(self, text: str, finished: bool, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """(deltas for this chunk, the finish_reason to send when `finished`)."""
@@ -113,11 +122,11 @@ def tool_plan(body: dict[str, Any], parser: str | None = None
         return None, None
     functions = _check_tools(tools)
     if (choice is None or choice == "auto") and parser is not None:
-        return tools, ToolPlan(None, parsed=True)
+        return tools, ToolPlan(None, parser=parser)
     if choice is None or choice == "auto":
         raise BadRequest('tool_choice "auto" (the default when tools are given) needs a tool-call parser for the '
-                         "model's own call format: start the router with --tool-call-parser hermes, or send "
-                         'tool_choice "required", "none", or {"type": "function", "function": {"name": ...}}',
+                         "model's own call format: start the router with --tool-call-parser (hermes, llama3_json), or "
+                         'send tool_choice "required", "none", or {"type": "function", "function": {"name": ...}}',
                          param="tool_choice")
     if choice == "none":
         return tools, None

@@ -3,6 +3,9 @@ free text (vLLM's --tool-call-parser; the router's `--tool-call-parser NAME` tur
 
 - `hermes` (Hermes 2/3, Qwen2.5 / Qwen3 and the templates that copy them): each call is
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, a last one possibly unclosed at the end.
+- `llama3_json` (Llama 3.1 / 3.2 / 3.3 with JSON tool calling): an answer that opens with `{` (or with the
+  `<|python_tag|>` token) is a call `{"name": ..., "parameters": {...}}`, or several joined by `;`. Such
+  an answer is held back until it ends; if it is not calls after all, it is sent as content.
 
 The text outside the calls is the message's content (None when there are calls and it is only
 whitespace). A span between the tags that is not a call ({"name": str, "arguments": object}) stays in
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-PARSERS = ("hermes",)
+PARSERS = ("hermes", "llama3_json")
+PYTHON_TAG = "<|python_tag|>"
 
 
 def check_parser(name: str | None) -> str | None:
@@ -29,9 +33,14 @@ def check_parser(name: str | None) -> str | None:
     return name
 
 
-def parse_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def reader(name: str) -> HermesStream | Llama3JsonStream:
+    """A fresh streamed reader of parser `name`: feed(text, finished) -> deltas; `.calls` so far."""
+    return Llama3JsonStream() if name == "llama3_json" else HermesStream()
+
+
+def parse_calls(text: str, name: str = "hermes") -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool calls in OpenAI's shape) of a whole output."""
-    stream = HermesStream()
+    stream = reader(name)
     deltas = stream.feed(text, finished=True)
     content = "".join(d.get("content", "") for d in deltas)
     calls = [{k: v for k, v in c.items() if k != "index"} for d in deltas for c in d.get("tool_calls", ())]
@@ -88,6 +97,51 @@ class HermesStream:
         self.held, self.said = "", True
 
 
+@dataclass(slots=True)
+class Llama3JsonStream:
+    """llama3_json: content streams as generated unless the answer opens like a call; then it waits."""
+
+    buffer: str = ""
+    mode: str = ""  # "" undecided, "content", "call"
+    calls: int = 0
+
+    def feed(self, text: str, finished: bool) -> list[dict[str, Any]]:
+        self.buffer += text
+        if not self.mode:
+            head = self.buffer.lstrip()
+            if not finished and PYTHON_TAG.startswith(head):
+                return []  # only whitespace, or the start of the tag: not decided yet
+            self.mode = "call" if head.startswith(("{", PYTHON_TAG)) else "content"
+        if self.mode == "content":
+            out, self.buffer = self.buffer, ""
+            return [{"content": out}] if out else []
+        if not finished:
+            return []
+        found = _json_calls(self.buffer.lstrip().removeprefix(PYTHON_TAG))
+        if found is None:  # not calls after all: the model's text, as written
+            return [{"content": self.buffer}] if self.buffer else []
+        self.calls = len(found)
+        return [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(found)]
+
+
+def _json_calls(text: str) -> list[dict[str, Any]] | None:
+    """One or more call objects, joined by ';' (and whitespace); None unless the whole text is that."""
+    decoder, at, found = json.JSONDecoder(), 0, list[dict[str, Any]]()
+    while True:
+        while at < len(text) and text[at] in " \t\r\n;":
+            at += 1
+        if at == len(text):
+            return found or None
+        try:
+            obj, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        call = _as_call(obj)
+        if call is None:
+            return None
+        found.append(call)
+
+
 def _open_prefix(text: str) -> int:
     """Length of the longest tail of `text` that is a proper prefix of OPEN."""
     for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
@@ -98,9 +152,13 @@ def _open_prefix(text: str) -> int:
 
 def _call(body: str) -> dict[str, Any] | None:
     try:
-        obj = json.loads(body)
+        return _as_call(json.loads(body))
     except ValueError:
         return None
+
+
+def _as_call(obj: Any) -> dict[str, Any] | None:
+    """{"name": str, "arguments" or "parameters": object} in OpenAI's tool-call shape, else None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))

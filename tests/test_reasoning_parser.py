@@ -17,7 +17,7 @@ SAMPLES = ["<think>\nplan\n</think>\n\nAnswer", "no thinking here", "plan</think
 
 @pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
 def test_split_anywhere_equals_whole(parser):
-    for tools in (None, ToolPlan(None, parsed=True)):
+    for tools in (None, ToolPlan(None, parser="hermes")):
         for text in SAMPLES:
             message, reason = whole_message(text, "stop", parser, tools)
             for cut in range(len(text) + 1):
@@ -43,7 +43,7 @@ def test_the_two_parsers_read_the_same_text_differently():
     assert split_reasoning("<think>plan</think>answer", "deepseek_r1") == ("plan", "answer")
     assert split_reasoning("<think>cut off", "qwen3") == ("cut off", "")  # never closed: all reasoning
     assert split_reasoning("just an answer", "deepseek_r1") == ("just an answer", "")
-    message, reason = whole_message(f"<think>a</think>\n{CALL}", "stop", "qwen3", ToolPlan(None, parsed=True))
+    message, reason = whole_message(f"<think>a</think>\n{CALL}", "stop", "qwen3", ToolPlan(None, parser="hermes"))
     assert message["reasoning_content"] == "a" and message["content"] is None and reason == "tool_calls"
     assert whole_message("<think>still thinking", "length", "qwen3", None)[0] == {
         "role": "assistant", "content": None, "reasoning_content": "still thinking"}

@@ -15,7 +15,7 @@ from service_procs import Proc, router_endpoints, start_router, stop_all, wait_w
 from test_tool_calls import TOOLS, TOOLS_TEMPLATE
 from tiny_models import make_checkpoint
 
-from router_svc.tool_parsers import HermesStream, parse_calls
+from router_svc.tool_parsers import HermesStream, parse_calls, reader
 
 ANSWERS = {
     "weather in Oslo?": 'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}'
@@ -26,6 +26,10 @@ ANSWERS = {
     "think first": "<think>It is cold there.</think>It is -3 in Oslo.",
     "think, then call": '<think>I need the weather.</think>\n<tool_call>{"name": "get_weather", "arguments": '
                         '{"city": "Oslo", "unit": "c"}}</tool_call>',
+}
+LLAMA = {  # answers in llama3_json's format, trained alongside
+    "time in Tokyo?": '{"name": "get_time", "parameters": {"zone": 9}}',
+    "tell a joke": "Why did the function return? It had a call.",
 }
 EXPECTED = {  # (reasoning, content, [(name, arguments)], finish_reason)
     "weather in Oslo?": (None, "Let me look.", [("get_weather", '{"city": "Oslo", "unit": "c"}')], "tool_calls"),
@@ -90,7 +94,7 @@ def _memorizing_checkpoint(path: str) -> str:
         json.dump({**cfg, "chat_template": TOOLS_TEMPLATE}, f)
     tok = Tokenizer(ckpt)
     seqs = [(tok.encode_chat([{"role": "user", "content": q}], tools=TOOLS), tok.encode(a, add_special_tokens=False)
-             + [1]) for q, a in ANSWERS.items()]
+             + [1]) for q, a in {**ANSWERS, **LLAMA}.items()]
     model = tf.LlamaForCausalLM.from_pretrained(ckpt)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     torch.manual_seed(0)
@@ -109,9 +113,30 @@ def _memorizing_checkpoint(path: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tool-parser")
-    ckpt = _memorizing_checkpoint(str(tmp / "ckpt"))
+def trained(tmp_path_factory):
+    return _memorizing_checkpoint(str(tmp_path_factory.mktemp("tool-parser") / "ckpt"))
+
+
+@pytest.fixture(scope="module")
+def llama_client(trained, tmp_path_factory):
+    """A second router, reading calls as llama3_json, with a colocated worker on the same model."""
+    tmp = tmp_path_factory.mktemp("llama3-json")
+    router = start_router("router", trained, tmp, "--tool-call-parser", "llama3_json")
+    procs = [router]
+    try:
+        ep = router_endpoints(router)
+        procs.append(Proc("decode", [sys.executable, "-m", "tandem.cli", "decode", "--model", trained, "--listen",
+                                     "tcp://127.0.0.1:0", "--router", ep["listen"], "--num-kv-blocks", "128",
+                                     "--kv-connector", "none"], tmp))
+        wait_workers(ep["http"], decode=1)
+        yield openai.OpenAI(base_url=f"{ep['http']}/v1", api_key="none", max_retries=0)
+    finally:
+        stop_all(procs)
+
+
+@pytest.fixture(scope="module")
+def client(trained, tmp_path_factory):
+    tmp, ckpt = tmp_path_factory.mktemp("tool-parser-pd"), trained
     router = start_router("router", ckpt, tmp, "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
     procs = [router]
     try:
@@ -173,3 +198,41 @@ def test_tool_choice_none_leaves_the_text_alone(client):
     resp = client.chat.completions.create(model="", messages=[{"role": "user", "content": "weather in Oslo?"}],
                                           tools=TOOLS, tool_choice="none", temperature=0, max_tokens=200)
     assert resp.choices[0].message.content == ANSWERS["weather in Oslo?"] and not resp.choices[0].message.tool_calls
+
+
+@pytest.mark.slow
+def test_llama3_json_reads_a_call_and_leaves_prose_alone(llama_client):
+    messages = [{"role": "user", "content": "time in Tokyo?"}]
+    for stream in (False, True):
+        kw = dict(model="", messages=messages, tools=TOOLS, temperature=0, max_tokens=100)
+        if not stream:
+            choice = llama_client.chat.completions.create(**kw).choices[0]
+            calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+            reason, content = choice.finish_reason, choice.message.content
+        else:
+            chunks = [c.choices[0] for c in llama_client.chat.completions.create(**kw, stream=True) if c.choices]
+            calls = [(t.function.name, t.function.arguments) for c in chunks for t in c.delta.tool_calls or []]
+            reason, content = chunks[-1].finish_reason, "".join(c.delta.content or "" for c in chunks) or None
+        assert (calls, reason, content) == ([("get_time", '{"zone": 9}')], "tool_calls", None)
+    joke = llama_client.chat.completions.create(model="", messages=[{"role": "user", "content": "tell a joke"}],
+                                                tools=TOOLS, temperature=0, max_tokens=100).choices[0]
+    assert joke.message.content == LLAMA["tell a joke"] and not joke.message.tool_calls
+
+
+def test_llama3_json_split_anywhere_equals_whole():
+    call = '{"name": "f", "parameters": {"a": 1}}'
+    samples = {call: 1, f'<|python_tag|>{call}; {{"name": "g", "arguments": {{}}}}': 2, "Hello {not a call": 0,
+               '{"answer": 42}': 0, f"  {call} trailing": 0, "": 0, "<|py": 0, f"\n{call}\n": 1}
+    for text, count in samples.items():
+        whole, calls = parse_calls(text, "llama3_json")
+        assert len(calls) == count and (whole is None) == (count > 0 or not text), text
+        if count == 0:
+            assert whole == (text or None)  # not calls: the text as written
+        for cut in range(len(text) + 1):
+            for second in range(cut, len(text) + 1):
+                stream = reader("llama3_json")
+                deltas = stream.feed(text[:cut], False) + stream.feed(text[cut:second], False) + stream.feed(
+                    text[second:], True)
+                assert "".join(d.get("content", "") for d in deltas) == (whole or "")
+                assert _named([c for d in deltas for c in d.get("tool_calls", ())]) == _named(calls)
+    assert _named(parse_calls(f"<|python_tag|>{call}", "llama3_json")[1]) == [("f", '{"a": 1}')]
