@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from router_svc.reasoning import ReasoningStream, split_reasoning
+from router_svc.reasoning import Reasoning, ReasoningStream
 from router_svc.tool_calls import ToolPlan, ToolStream
 
 
@@ -17,9 +17,8 @@ class ChoiceDeltas:
     tools: ToolStream | None
 
     @classmethod
-    def make(cls, reasoning: str | None, tools: ToolPlan | None) -> ChoiceDeltas:
-        return cls(None if reasoning is None else ReasoningStream.for_parser(reasoning),
-                   None if tools is None else ToolStream(tools))
+    def make(cls, reasoning: Reasoning | None, tools: ToolPlan | None) -> ChoiceDeltas:
+        return cls(None if reasoning is None else reasoning.stream(), None if tools is None else ToolStream(tools))
 
     def feed(self, text: str, finished: bool, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """(deltas for this chunk, the finish_reason to send when `finished`)."""
@@ -37,12 +36,12 @@ class ChoiceDeltas:
         return out, finish_reason
 
 
-def whole_message(text: str, finish_reason: str | None, reasoning: str | None,
+def whole_message(text: str, finish_reason: str | None, reasoning: Reasoning | None,
                   tools: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
     """A non-streamed answer's chat message and finish_reason."""
     thought = None
     if reasoning is not None:
-        thought, text = split_reasoning(text, reasoning)
+        thought, text = reasoning.split(text)
     if tools is not None:
         message, finish_reason = tools.message(text, finish_reason)
     else:

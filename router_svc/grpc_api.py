@@ -48,7 +48,7 @@ def sampling_from_proto(msg: pb.SamplingParams, defaults: dict[str, Any] | None 
     if msg.HasField("structured_outputs"):
         try:
             kw["structured_outputs"] = json.loads(msg.structured_outputs)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise BadRequest("structured_outputs must be JSON text, e.g. '{\"regex\": \"[0-9]+\"}'",
                              param="structured_outputs") from None
     try:
@@ -69,7 +69,7 @@ def prompt_from_proto(request: pb.GenerateRequest, model: ServedModel) -> list[i
         if chat.HasField("chat_template_kwargs"):
             try:
                 kwargs = json.loads(chat.chat_template_kwargs)
-            except ValueError:
+            except (ValueError, RecursionError):
                 kwargs = None
             if not isinstance(kwargs, dict):
                 raise BadRequest("chat_template_kwargs must be a JSON object's text, e.g. '{\"enable_thinking\": "

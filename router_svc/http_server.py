@@ -48,7 +48,11 @@ class Request:
     body: bytes
 
     def json(self) -> Any:
-        return json.loads(self.body.decode("utf-8")) if self.body else None
+        """The body as JSON; ValueError if it is not (nesting past Python's recursion limit included)."""
+        try:
+            return json.loads(self.body.decode("utf-8")) if self.body else None
+        except RecursionError:
+            raise ValueError("the JSON body is nested too deeply") from None
 
 
 class Response:

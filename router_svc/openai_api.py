@@ -23,6 +23,7 @@ from router_svc.beam_request import beam_from_body
 from router_svc.errors import BadRequest
 from router_svc.openai_models import validate_body
 from router_svc.prompts import ServedModel
+from router_svc.reasoning import Reasoning, reasoning_for
 from router_svc.structured_request import structured_from_body
 from router_svc.tool_calls import ToolPlan, tool_plan
 from tandem.sampling_params import BeamSearchParams, SamplingParams
@@ -56,7 +57,7 @@ class ParsedRequest:
     # use_beam_search: one request per prompt (params has one entry per prompt), answered with n hypotheses
     beam: BeamSearchParams | None = None
     tools: ToolPlan | None = None  # chat with tool_choice "required", a named function, or "auto" (parsed)
-    reasoning: str | None = None  # chat: the reasoning parser that splits the text (router_svc/reasoning.py)
+    reasoning: Reasoning | None = None  # chat: how its text splits into reasoning and content (reasoning.py)
 
     @property
     def token_ids(self) -> list[int]:
@@ -137,7 +138,9 @@ def parse_chat(body: Any, model: ServedModel) -> ParsedRequest:
         if plan is not None:
             raise BadRequest("beam search does not make tool calls: drop use_beam_search or tool_choice",
                              param="tool_choice")
-        return _beam_request([ids], beam, chat=True)
+        parsed = _beam_request([ids], beam, chat=True)
+        parsed.reasoning = _reasoning(ids, model)
+        return parsed
     # OpenAI's chat default is "as long as the context allows": D caps max_tokens at its max_model_len.
     params = _sampling(body, max_tokens=max_tokens, default_max=model.max_model_len or 4096,
                        logprobs=(top or 0) if lp else None, defaults=model.sampling_defaults,
@@ -147,8 +150,15 @@ def parse_chat(body: Any, model: ServedModel) -> ParsedRequest:
     parsed = _fan_out(body, [ids], params, chat=True)
     parsed.tools = plan
     if params.structured_outputs is None:  # a grammar leaves the model no room to think: nothing to split
-        parsed.reasoning = model.reasoning_parser
+        parsed.reasoning = _reasoning(ids, model)
     return parsed
+
+
+def _reasoning(ids: list[int], model: ServedModel) -> Reasoning | None:
+    """The server's reasoning split for this prompt (whether the template left the block open)."""
+    if model.reasoning_parser is None:
+        return None
+    return reasoning_for(model.reasoning_parser, model.tokenizer.decode(ids[-32:], skip_special_tokens=False))
 
 
 def _fan_out(body: dict, prompts: list[list[int]], params: SamplingParams, chat: bool) -> ParsedRequest:

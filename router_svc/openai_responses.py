@@ -13,6 +13,7 @@ from typing import Any
 from router_svc.chat_deltas import whole_message
 from router_svc.core import Chunk
 from router_svc.prompts import ServedModel
+from router_svc.reasoning import Reasoning
 from router_svc.tool_calls import ToolPlan
 
 
@@ -56,7 +57,7 @@ def _envelope(rid: str, chat: bool, model: str, stream: bool) -> dict:
 
 
 def final_response(rid: str, chat: bool, model: str, totals: list[Totals], logprobs: list[Any], n: int,
-                   tools: ToolPlan | None = None, reasoning: str | None = None) -> dict:
+                   tools: ToolPlan | None = None, reasoning: Reasoning | None = None) -> dict:
     """`tools` / `reasoning`: each choice's text is read for tool calls / split from its reasoning
     (router_svc/chat_deltas.py)."""
     choices = []

@@ -211,7 +211,8 @@ class OpenAIApp:
                 t.finish_reason, t.stop_reason = beam["finish_reason"], beam.get("stop_reason")
             for t in totals[i * n:(i + 1) * n]:
                 t.prompt_tokens, t.cached_tokens = chunk.num_prompt_tokens, chunk.num_cached_tokens
-        await response.json(200, final_response(rid, parsed.chat, self.model.name, totals, [None] * len(totals), n))
+        await response.json(200, final_response(rid, parsed.chat, self.model.name, totals, [None] * len(totals), n,
+                                                reasoning=parsed.reasoning))
 
     def _echo(self, parsed: ParsedRequest, i: int, chunk: Chunk, done: set[int]) -> tuple[str, Any] | None:
         """On a choice's first chunk under echo: its prompt's text, and the prompt's logprobs if asked."""

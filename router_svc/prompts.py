@@ -102,7 +102,7 @@ def _tool_fields(message: dict, where: str) -> dict[str, Any]:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise BadRequest(f"{where}.tool_calls[{j}].function.arguments is not JSON", param="messages") from None
         out["tool_calls"].append({**call, "function": {**fn, "arguments": args}})
     return out

@@ -1,11 +1,14 @@
 """Reasoning parsers (vLLM's --reasoning-parser): a thinking model's `<think>...</think>` text goes to the
 chat message's `reasoning_content` (DeepSeek's field name, as vLLM sends it) instead of its `content`.
 
-- `qwen3` (Qwen3, QwQ): the output may open with `<think>`; what follows up to `</think>` is reasoning.
-  With `chat_template_kwargs: {"enable_thinking": false}` the template closes the block in the prompt,
-  so the output has no tag and is all content.
-- `deepseek_r1` (DeepSeek-R1 and its distills): the template opens `<think>` in the prompt, so the output
-  starts as reasoning (an opening tag it writes anyway is dropped) and turns to content after `</think>`.
+Where the output starts is read from the rendered prompt's end (`reasoning_for`), since templates differ:
+- `qwen3` (Qwen3, QwQ, Qwen3-*-Thinking): reasoning from the start if the prompt ends inside an open
+  `<think>` (QwQ's and the Thinking models' templates open it), else only if the output opens with
+  `<think>`; `chat_template_kwargs: {"enable_thinking": false}` makes Qwen3's template close the block in
+  the prompt, so the output is all content.
+- `deepseek_r1` (DeepSeek-R1 and its distills): reasoning from the start (R1's template opens `<think>`;
+  an opening tag the model writes anyway is dropped) unless the prompt ends after a closed block.
+In the block, text up to `</think>` is reasoning; the rest is content.
 
 Both: a block never closed (cut by max_tokens) is all reasoning, whole and streamed alike. Streamed, text
 goes out as generated except for a tail that could still be a tag. The content part then goes on to the
@@ -26,18 +29,36 @@ def check_parser(name: str | None) -> str | None:
     return name
 
 
+@dataclass(frozen=True, slots=True)
+class Reasoning:
+    """One chat request's split: its parser, and whether its output starts inside the block."""
+
+    parser: str
+    thinking: bool
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self.thinking)
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning or None, content) of a whole output."""
+        reasoning, content = self.stream().feed(text, finished=True)
+        return reasoning or None, content
+
+
+def reasoning_for(parser: str, prompt_tail: str) -> Reasoning:
+    """The split for a prompt that ends with `prompt_tail` (its last tokens' text, special tokens kept)."""
+    opened, closed = prompt_tail.rfind(START), prompt_tail.rfind(END)
+    return Reasoning(parser, opened > closed if parser == "qwen3" else not closed > opened)
+
+
 @dataclass(slots=True)
 class ReasoningStream:
     """One choice's text, fed chunk by chunk: each feed returns (reasoning, content) to send now."""
 
-    thinking: bool  # in the block (deepseek_r1: from the start)
+    thinking: bool  # in the block (from the start: the prompt opened it)
     buffer: str = ""
     started: bool = False  # past where an opening tag could be
     done: bool = False  # past the block: everything is content
-
-    @classmethod
-    def for_parser(cls, name: str) -> ReasoningStream:
-        return cls(thinking=name == "deepseek_r1")
 
     def feed(self, text: str, finished: bool) -> tuple[str, str]:
         self.buffer += text
@@ -63,12 +84,6 @@ class ReasoningStream:
         keep = 0 if finished else _tag_prefix(self.buffer)
         reasoning, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
         return reasoning, ""
-
-
-def split_reasoning(text: str, parser: str) -> tuple[str | None, str]:
-    """(reasoning or None, content) of a whole output."""
-    reasoning, content = ReasoningStream.for_parser(parser).feed(text, finished=True)
-    return reasoning or None, content
 
 
 def _tag_prefix(text: str) -> int:

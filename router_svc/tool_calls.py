@@ -43,6 +43,7 @@ class ToolPlan:
     structured: dict[str, Any] | None  # the grammar, as SamplingParams.structured_outputs
     named: str | None = None
     parser: str | None = None  # "auto": calls read out of free text by this parser (tool_parsers.py)
+    tools: tuple[str, ...] = ()  # the request's function names (for the parser)
 
     @property
     def parsed(self) -> bool:
@@ -51,7 +52,7 @@ class ToolPlan:
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """A whole answer's chat message and finish_reason."""
         if self.parser is not None:
-            content, found = parse_calls(text, self.parser)
+            content, found = parse_calls(text, self.parser, self.tools)
             if not found:
                 return {"role": "assistant", "content": content or ""}, finish_reason
             return ({"role": "assistant", "content": content, "tool_calls": found},
@@ -69,7 +70,7 @@ class ToolPlan:
             return None
         try:
             items = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         return [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
 
@@ -86,7 +87,7 @@ class ToolStream:
 
     def __post_init__(self) -> None:
         if self.plan.parser is not None:
-            self.reader = make_reader(self.plan.parser)
+            self.reader = make_reader(self.plan.parser, self.plan.tools)
 
     def deltas(self, text: str, finished: bool, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """(deltas for this chunk, the finish_reason to send when `finished`)."""
@@ -122,7 +123,7 @@ def tool_plan(body: dict[str, Any], parser: str | None = None
         return None, None
     functions = _check_tools(tools)
     if (choice is None or choice == "auto") and parser is not None:
-        return tools, ToolPlan(None, parser=parser)
+        return tools, ToolPlan(None, parser=parser, tools=tuple(functions))
     if choice is None or choice == "auto":
         raise BadRequest('tool_choice "auto" (the default when tools are given) needs a tool-call parser for the '
                          "model's own call format: start the router with --tool-call-parser (hermes, llama3_json), or "

@@ -4,8 +4,9 @@ free text (vLLM's --tool-call-parser; the router's `--tool-call-parser NAME` tur
 - `hermes` (Hermes 2/3, Qwen2.5 / Qwen3 and the templates that copy them): each call is
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, a last one possibly unclosed at the end.
 - `llama3_json` (Llama 3.1 / 3.2 / 3.3 with JSON tool calling): an answer that opens with `{` (or with the
-  `<|python_tag|>` token) is a call `{"name": ..., "parameters": {...}}`, or several joined by `;`. Such
-  an answer is held back until it ends; if it is not calls after all, it is sent as content.
+  `<|python_tag|>` token) is a call `{"name": ..., "parameters": {...}}` naming one of the request's tools,
+  or several joined by `;`. Such an answer is held back until it ends; if it is not calls after all (any
+  other JSON, a name that is no tool), it is sent as content.
 
 The text outside the calls is the message's content (None when there are calls and it is only
 whitespace). A span between the tags that is not a call ({"name": str, "arguments": object}) stays in
@@ -33,14 +34,16 @@ def check_parser(name: str | None) -> str | None:
     return name
 
 
-def reader(name: str) -> HermesStream | Llama3JsonStream:
-    """A fresh streamed reader of parser `name`: feed(text, finished) -> deltas; `.calls` so far."""
-    return Llama3JsonStream() if name == "llama3_json" else HermesStream()
+def reader(name: str, tools: tuple[str, ...] = ()) -> HermesStream | Llama3JsonStream:
+    """A fresh streamed reader of parser `name`: feed(text, finished) -> deltas; `.calls` so far.
+    `tools`: the request's function names (llama3_json takes a JSON answer for a call only if it names one)."""
+    return Llama3JsonStream(tools=tools) if name == "llama3_json" else HermesStream()
 
 
-def parse_calls(text: str, name: str = "hermes") -> tuple[str | None, list[dict[str, Any]]]:
+def parse_calls(text: str, name: str = "hermes", tools: tuple[str, ...] = ()
+                ) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool calls in OpenAI's shape) of a whole output."""
-    stream = reader(name)
+    stream = reader(name, tools)
     deltas = stream.feed(text, finished=True)
     content = "".join(d.get("content", "") for d in deltas)
     calls = [{k: v for k, v in c.items() if k != "index"} for d in deltas for c in d.get("tool_calls", ())]
@@ -101,6 +104,7 @@ class HermesStream:
 class Llama3JsonStream:
     """llama3_json: content streams as generated unless the answer opens like a call; then it waits."""
 
+    tools: tuple[str, ...] = ()  # the request's function names: a JSON answer naming none is content
     buffer: str = ""
     mode: str = ""  # "" undecided, "content", "call"
     calls: int = 0
@@ -118,7 +122,7 @@ class Llama3JsonStream:
         if not finished:
             return []
         found = _json_calls(self.buffer.lstrip().removeprefix(PYTHON_TAG))
-        if found is None:  # not calls after all: the model's text, as written
+        if found is None or any(c["function"]["name"] not in self.tools for c in found):  # not calls after all
             return [{"content": self.buffer}] if self.buffer else []
         self.calls = len(found)
         return [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(found)]
@@ -134,7 +138,7 @@ def _json_calls(text: str) -> list[dict[str, Any]] | None:
             return found or None
         try:
             obj, at = decoder.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         call = _as_call(obj)
         if call is None:
@@ -153,7 +157,7 @@ def _open_prefix(text: str) -> int:
 def _call(body: str) -> dict[str, Any] | None:
     try:
         return _as_call(json.loads(body))
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
@@ -161,7 +165,7 @@ def _as_call(obj: Any) -> dict[str, Any] | None:
     """{"name": str, "arguments" or "parameters": object} in OpenAI's tool-call shape, else None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
+    args = obj["arguments"] if "arguments" in obj else obj.get("parameters")  # one of them must be there
     if not isinstance(args, dict):
         return None
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",

@@ -5,9 +5,10 @@ calls read from the content. Through the front door: tests/test_tool_parser.py."
 from __future__ import annotations
 
 import pytest
+from tiny_models import make_checkpoint
 
 from router_svc.chat_deltas import ChoiceDeltas, whole_message
-from router_svc.reasoning import split_reasoning
+from router_svc.reasoning import Reasoning, reasoning_for
 from router_svc.tool_calls import ToolPlan
 
 CALL = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
@@ -15,7 +16,8 @@ SAMPLES = ["<think>\nplan\n</think>\n\nAnswer", "no thinking here", "plan</think
            "  <think>x</think>y", "<th", "", f"<think>a</think>x{CALL}", "<think>a</thi", "</think>"]
 
 
-@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("parser", [Reasoning("qwen3", False), Reasoning("qwen3", True),
+                                    Reasoning("deepseek_r1", True)])
 def test_split_anywhere_equals_whole(parser):
     for tools in (None, ToolPlan(None, parser="hermes")):
         for text in SAMPLES:
@@ -36,14 +38,45 @@ def test_split_anywhere_equals_whole(parser):
                     assert end == reason
 
 
-def test_the_two_parsers_read_the_same_text_differently():
-    assert split_reasoning("<think>\nplan\n</think>\n\nAnswer", "qwen3") == ("\nplan\n", "\n\nAnswer")
-    assert split_reasoning("plan</think>answer", "qwen3") == (None, "plan</think>answer")  # no opening tag
-    assert split_reasoning("plan</think>answer", "deepseek_r1") == ("plan", "answer")  # the prompt opened it
-    assert split_reasoning("<think>plan</think>answer", "deepseek_r1") == ("plan", "answer")
-    assert split_reasoning("<think>cut off", "qwen3") == ("cut off", "")  # never closed: all reasoning
-    assert split_reasoning("just an answer", "deepseek_r1") == ("just an answer", "")
-    message, reason = whole_message(f"<think>a</think>\n{CALL}", "stop", "qwen3", ToolPlan(None, parser="hermes"))
+def test_where_the_output_starts_is_read_from_the_prompt():
+    assert not reasoning_for("qwen3", "<|im_start|>assistant\n").thinking  # Qwen3: the output opens it, or not
+    assert reasoning_for("qwen3", "<|im_start|>assistant\n<think>\n").thinking  # QwQ, Qwen3-*-Thinking
+    assert not reasoning_for("qwen3", "<think>\n\n</think>\n\n").thinking  # enable_thinking: false
+    assert reasoning_for("deepseek_r1", "<｜Assistant｜>").thinking  # R1 thinks from the start
+    assert reasoning_for("deepseek_r1", "<｜Assistant｜><think>\n").thinking
+    assert not reasoning_for("deepseek_r1", "<think>\n\n</think>").thinking  # a closed block: thinking is off
+    opened, plain = Reasoning("qwen3", True), Reasoning("qwen3", False)
+    assert plain.split("<think>\nplan\n</think>\n\nAnswer") == ("\nplan\n", "\n\nAnswer")
+    assert plain.split("plan</think>answer") == (None, "plan</think>answer")  # nothing opened it
+    assert opened.split("plan</think>answer") == ("plan", "answer")  # the prompt opened it
+    assert opened.split("<think>plan</think>answer") == ("plan", "answer")  # a repeated opening tag is dropped
+    assert plain.split("<think>cut off") == ("cut off", "")  # never closed: all reasoning
+    assert opened.split("just an answer") == ("just an answer", "")
+    message, reason = whole_message(f"<think>a</think>\n{CALL}", "stop", plain, ToolPlan(None, parser="hermes"))
     assert message["reasoning_content"] == "a" and message["content"] is None and reason == "tool_calls"
-    assert whole_message("<think>still thinking", "length", "qwen3", None)[0] == {
+    assert whole_message("<think>still thinking", "length", plain, None)[0] == {
         "role": "assistant", "content": None, "reasoning_content": "still thinking"}
+
+
+def test_a_chat_request_gets_the_split_its_prompt_calls_for(tmp_path):
+    """The router reads its own rendered prompt: a template that opens the block makes the output start as
+    reasoning; a grammar leaves nothing to split; beam search answers are split too."""
+    import json
+
+    from router_svc.openai_api import parse_chat
+    from router_svc.prompts import ServedModel
+
+    path = make_checkpoint(str(tmp_path / "ckpt"))
+    with open(f"{path}/tokenizer_config.json") as f:
+        cfg = json.load(f)
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% if think %}<think>\n{% endif %}{% endif %}")
+    with open(f"{path}/tokenizer_config.json", "w") as f:
+        json.dump({**cfg, "chat_template": template}, f)
+    model = ServedModel(path, reasoning_parser="qwen3")
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert parse_chat(body, model).reasoning == Reasoning("qwen3", False)
+    assert parse_chat({**body, "chat_template_kwargs": {"think": True}}, model).reasoning == Reasoning("qwen3", True)
+    assert parse_chat({**body, "response_format": {"type": "json_object"}}, model).reasoning is None
+    assert parse_chat({**body, "use_beam_search": True, "n": 2, "temperature": 0}, model).reasoning is not None
+    assert parse_chat(body, ServedModel(path)).reasoning is None

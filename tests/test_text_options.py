@@ -5,7 +5,9 @@ equal to the offline engine."""
 
 from __future__ import annotations
 
+import json
 import sys
+import urllib.request
 
 import pytest
 from service_procs import Proc, grpc_stub, post, router_endpoints, start_router, stop_all, wait_workers
@@ -99,3 +101,25 @@ def test_both_through_http_and_grpc_equal_offline(llm, served):
     got = "".join(r.text for r in grpc_stub(served["grpc"]).Generate(
         pb.GenerateRequest(text=PROMPT, sampling=params), timeout=60))
     assert got == want
+
+
+@pytest.mark.slow
+def test_json_nested_past_the_recursion_limit_is_a_400_not_a_500(served):
+    import grpc
+
+    from tandem.protocol import generation_pb2 as pb
+
+    deep = "[" * 100_000 + "]" * 100_000
+    req = urllib.request.Request(f"{served['http']}/v1/completions", ('{"prompt": ' + deep + "}").encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=30)
+        raise AssertionError("accepted")
+    except urllib.error.HTTPError as e:
+        assert e.code == 400 and "not valid JSON" in json.loads(e.read())["error"]["message"]
+    with pytest.raises(grpc.RpcError) as err:
+        list(grpc_stub(served["grpc"]).Generate(pb.GenerateRequest(
+            text="x", sampling=pb.SamplingParams(structured_outputs=deep)), timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    status, _, out = post(f"{served['http']}/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert status == 200, out  # and it keeps serving

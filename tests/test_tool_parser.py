@@ -222,17 +222,18 @@ def test_llama3_json_reads_a_call_and_leaves_prose_alone(llama_client):
 def test_llama3_json_split_anywhere_equals_whole():
     call = '{"name": "f", "parameters": {"a": 1}}'
     samples = {call: 1, f'<|python_tag|>{call}; {{"name": "g", "arguments": {{}}}}': 2, "Hello {not a call": 0,
-               '{"answer": 42}': 0, f"  {call} trailing": 0, "": 0, "<|py": 0, f"\n{call}\n": 1}
+               '{"answer": 42}': 0, f"  {call} trailing": 0, "": 0, "<|py": 0, f"\n{call}\n": 1,
+               '{"name": "Alice", "age": 30}': 0, '{"name": "h", "parameters": {}}': 0}  # no arguments; no such tool
     for text, count in samples.items():
-        whole, calls = parse_calls(text, "llama3_json")
+        whole, calls = parse_calls(text, "llama3_json", ("f", "g"))
         assert len(calls) == count and (whole is None) == (count > 0 or not text), text
         if count == 0:
             assert whole == (text or None)  # not calls: the text as written
         for cut in range(len(text) + 1):
             for second in range(cut, len(text) + 1):
-                stream = reader("llama3_json")
+                stream = reader("llama3_json", ("f", "g"))
                 deltas = stream.feed(text[:cut], False) + stream.feed(text[cut:second], False) + stream.feed(
                     text[second:], True)
                 assert "".join(d.get("content", "") for d in deltas) == (whole or "")
                 assert _named([c for d in deltas for c in d.get("tool_calls", ())]) == _named(calls)
-    assert _named(parse_calls(f"<|python_tag|>{call}", "llama3_json")[1]) == [("f", '{"a": 1}')]
+    assert _named(parse_calls(f"<|python_tag|>{call}", "llama3_json", ("f",))[1]) == [("f", '{"a": 1}')]
