@@ -196,3 +196,26 @@ def metric_value(http: str, name: str, **labels: str) -> float:
         lines = [line for line in r.read().decode().splitlines() if re.match(rf"{name}(\{{.*\}})? ", line)]
     lines = [line for line in lines if all(f'{k}="{v}"' in line for k, v in labels.items())]
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def start_serving(ckpt: str, log_dir: Path, *router_flags: str, disaggregated: bool = True,
+                  num_kv_blocks: int = 256) -> tuple[list[Proc], dict[str, str]]:
+    """A router on `ckpt` and its workers: a prefill + decode pair that prefills every prompt remotely
+    (so the first token is sampled on the prefill worker), or one decode worker that prefills its own.
+    Waits until they registered; returns (processes, the router's endpoints). stop_all(processes)."""
+    procs = [start_router("router", ckpt, log_dir, *router_flags)]
+    try:
+        ep = router_endpoints(procs[0])
+        worker = [sys.executable, "-m", "tandem.cli", "--model", ckpt, "--listen", "tcp://127.0.0.1:0",
+                  "--router", ep["listen"], "--num-kv-blocks", str(num_kv_blocks)]
+        if disaggregated:
+            procs.append(Proc("prefill", [*worker[:3], "prefill", *worker[3:]], log_dir))
+            procs.append(Proc("decode", [*worker[:3], "decode", *worker[3:], "--local-prefill-threshold", "0"],
+                              log_dir))
+        else:
+            procs.append(Proc("decode", [*worker[:3], "decode", *worker[3:], "--kv-connector", "none"], log_dir))
+        wait_workers(ep["http"], decode=1, prefill=1 if disaggregated else 0)
+    except BaseException:
+        stop_all(procs)
+        raise
+    return procs, ep

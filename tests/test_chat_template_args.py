@@ -6,13 +6,10 @@ here, and the continuation equals the offline engine's), and misuse is a 400 nam
 
 from __future__ import annotations
 
-import json
-import sys
-
 import grpc
 import pytest
-from service_procs import Proc, grpc_stub, post, router_endpoints, start_router, stop_all, wait_workers
-from tiny_models import make_checkpoint
+from service_procs import grpc_stub, post, start_serving, stop_all
+from tiny_models import make_checkpoint, set_chat_template
 
 # Reads a template variable (as Qwen3's reads enable_thinking) and keeps the content's spacing.
 TEMPLATE = (
@@ -25,12 +22,7 @@ CHAT = [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "co
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    path = make_checkpoint(str(tmp_path_factory.mktemp("template") / "ckpt"))
-    with open(f"{path}/tokenizer_config.json") as f:
-        cfg = json.load(f)
-    with open(f"{path}/tokenizer_config.json", "w") as f:
-        json.dump({**cfg, "chat_template": TEMPLATE}, f)
-    return path
+    return set_chat_template(make_checkpoint(str(tmp_path_factory.mktemp("template") / "ckpt")), TEMPLATE)
 
 
 @pytest.mark.parametrize("kw", [
@@ -70,11 +62,8 @@ def test_continuing_cuts_right_after_the_content_whatever_it_holds(ckpt, final):
 def test_a_template_that_fails_on_a_variable_is_a_value_error(tmp_path):
     from tandem.tokenizer import Tokenizer
 
-    path = make_checkpoint(str(tmp_path / "ckpt"))
-    with open(f"{path}/tokenizer_config.json") as f:
-        cfg = json.load(f)
-    with open(f"{path}/tokenizer_config.json", "w") as f:
-        json.dump({**cfg, "chat_template": "{{ 'Reasoning: ' + reasoning_effort }}{{ messages[0]['content'] }}"}, f)
+    path = set_chat_template(make_checkpoint(str(tmp_path / "ckpt")),
+                             "{{ 'Reasoning: ' + reasoning_effort }}{{ messages[0]['content'] }}")
     tok = Tokenizer(path)
     assert tok.apply_chat_template(CHAT[:1], reasoning_effort="low") == "Reasoning: lowdef add(a, b):"
     with pytest.raises(ValueError, match="chat template failed: TypeError"):
@@ -86,12 +75,8 @@ def test_continuing_a_message_the_template_strips_cuts_where_transformers_does(t
 
     from tandem.tokenizer import Tokenizer
 
-    path = make_checkpoint(str(tmp_path / "ckpt"))
-    with open(f"{path}/tokenizer_config.json") as f:
-        cfg = json.load(f)
     stripping = TEMPLATE.replace("{{ m['content'] }}", "{{ m['content'] | trim }}")
-    with open(f"{path}/tokenizer_config.json", "w") as f:
-        json.dump({**cfg, "chat_template": stripping}, f)
+    path = set_chat_template(make_checkpoint(str(tmp_path / "ckpt")), stripping)
     kw = {"add_generation_prompt": False, "continue_final_message": True}
     ours = Tokenizer(path).apply_chat_template(CHAT, **kw)
     assert ours == AutoTokenizer.from_pretrained(path).apply_chat_template(CHAT, tokenize=False, **kw)
@@ -100,15 +85,8 @@ def test_continuing_a_message_the_template_strips_cuts_where_transformers_does(t
 
 @pytest.fixture(scope="module")
 def served(ckpt, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("template-serve")
-    router = start_router("router", ckpt, tmp)
-    procs = [router]
+    procs, ep = start_serving(ckpt, tmp_path_factory.mktemp("template-serve"), disaggregated=False, num_kv_blocks=64)
     try:
-        ep = router_endpoints(router)
-        procs.append(Proc("decode", [sys.executable, "-m", "tandem.cli", "decode", "--model", ckpt, "--kv-connector",
-                                     "none", "--listen", "tcp://127.0.0.1:0", "--router", ep["listen"],
-                                     "--num-kv-blocks", "64"], tmp))
-        wait_workers(ep["http"], decode=1)
         yield ep
     finally:
         stop_all(procs)

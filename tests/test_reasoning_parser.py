@@ -5,7 +5,7 @@ calls read from the content. Through the front door: tests/test_tool_parser.py."
 from __future__ import annotations
 
 import pytest
-from tiny_models import make_checkpoint
+from tiny_models import make_checkpoint, set_chat_template
 
 from router_svc.chat_deltas import ChoiceDeltas, whole_message
 from router_svc.reasoning import Reasoning, reasoning_for
@@ -61,18 +61,12 @@ def test_where_the_output_starts_is_read_from_the_prompt():
 def test_a_chat_request_gets_the_split_its_prompt_calls_for(tmp_path):
     """The router reads its own rendered prompt: a template that opens the block makes the output start as
     reasoning; a grammar leaves nothing to split; beam search answers are split too."""
-    import json
-
     from router_svc.openai_api import parse_chat
     from router_svc.prompts import ServedModel
 
-    path = make_checkpoint(str(tmp_path / "ckpt"))
-    with open(f"{path}/tokenizer_config.json") as f:
-        cfg = json.load(f)
     template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
                 "{% if add_generation_prompt %}<|assistant|>{% if think %}<think>\n{% endif %}{% endif %}")
-    with open(f"{path}/tokenizer_config.json", "w") as f:
-        json.dump({**cfg, "chat_template": template}, f)
+    path = set_chat_template(make_checkpoint(str(tmp_path / "ckpt")), template)
     model = ServedModel(path, reasoning_parser="qwen3")
     body = {"messages": [{"role": "user", "content": "hi"}]}
     assert parse_chat(body, model).reasoning == Reasoning("qwen3", False)

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 
 import jsonschema
 import pytest
-from service_procs import Proc, post, router_endpoints, start_router, stop_all, wait_workers
+from service_procs import post, start_serving, stop_all
 from tiny_models import make_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -26,16 +25,8 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "o
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("structured-pd")
     ckpt = make_checkpoint(str(tmp / "ckpt"))
-    router = start_router("router", ckpt, tmp)
-    procs = [router]
+    procs, ep = start_serving(ckpt, tmp)
     try:
-        ep = router_endpoints(router)
-        for role in ("prefill", "decode"):
-            extra = ["--local-prefill-threshold", "0"] if role == "decode" else []
-            procs.append(Proc(role, [sys.executable, "-m", "tandem.cli", role, "--model", ckpt, "--listen",
-                                     "tcp://127.0.0.1:0", "--router", ep["listen"], "--num-kv-blocks", "256",
-                                     *extra], tmp))
-        wait_workers(ep["http"], decode=1, prefill=1)
         yield {"http": ep["http"], "grpc": ep["grpc"], "ckpt": ckpt}
     finally:
         stop_all(procs)

@@ -6,11 +6,10 @@ equal to the offline engine."""
 from __future__ import annotations
 
 import json
-import sys
 import urllib.request
 
 import pytest
-from service_procs import Proc, grpc_stub, post, router_endpoints, start_router, stop_all, wait_workers
+from service_procs import grpc_stub, post, start_serving, stop_all
 from tiny_models import make_checkpoint
 
 PROMPT = "def walk(node):"
@@ -67,15 +66,8 @@ def test_special_tokens_text_is_kept_when_not_skipped(llm):
 
 @pytest.fixture(scope="module")
 def served(ckpt, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("text-serve")
-    router = start_router("router", ckpt, tmp)
-    procs = [router]
+    procs, ep = start_serving(ckpt, tmp_path_factory.mktemp("text-serve"), disaggregated=False, num_kv_blocks=64)
     try:
-        ep = router_endpoints(router)
-        procs.append(Proc("decode", [sys.executable, "-m", "tandem.cli", "decode", "--model", ckpt, "--kv-connector",
-                                     "none", "--listen", "tcp://127.0.0.1:0", "--router", ep["listen"],
-                                     "--num-kv-blocks", "64"], tmp))
-        wait_workers(ep["http"], decode=1)
         yield ep
     finally:
         stop_all(procs)

@@ -8,13 +8,12 @@ the field, and the server keeps serving."""
 from __future__ import annotations
 
 import json
-import sys
 
 import jsonschema
 import openai
 import pytest
-from service_procs import Proc, post, router_endpoints, start_router, stop_all, wait_workers
-from tiny_models import make_checkpoint
+from service_procs import post, start_serving, stop_all
+from tiny_models import make_checkpoint, set_chat_template
 
 pytestmark = pytest.mark.slow
 
@@ -41,21 +40,9 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tools-pd")
-    ckpt = make_checkpoint(str(tmp / "ckpt"))
-    with open(f"{ckpt}/tokenizer_config.json") as f:
-        cfg = json.load(f)
-    with open(f"{ckpt}/tokenizer_config.json", "w") as f:
-        json.dump({**cfg, "chat_template": TOOLS_TEMPLATE}, f)
-    router = start_router("router", ckpt, tmp)
-    procs = [router]
+    ckpt = set_chat_template(make_checkpoint(str(tmp / "ckpt")), TOOLS_TEMPLATE)
+    procs, ep = start_serving(ckpt, tmp)
     try:
-        ep = router_endpoints(router)
-        for role in ("prefill", "decode"):
-            extra = ["--local-prefill-threshold", "0"] if role == "decode" else []
-            procs.append(Proc(role, [sys.executable, "-m", "tandem.cli", role, "--model", ckpt, "--listen",
-                                     "tcp://127.0.0.1:0", "--router", ep["listen"], "--num-kv-blocks", "256",
-                                     *extra], tmp))
-        wait_workers(ep["http"], decode=1, prefill=1)
         client = openai.OpenAI(base_url=f"{ep['http']}/v1", api_key="none", max_retries=0)
         yield {"http": ep["http"], "ckpt": ckpt, "client": client}
     finally:

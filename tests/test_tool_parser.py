@@ -6,14 +6,11 @@ reasoning come from a real model's greedy output (checked against transformers f
 
 from __future__ import annotations
 
-import json
-import sys
-
 import openai
 import pytest
-from service_procs import Proc, router_endpoints, start_router, stop_all, wait_workers
+from service_procs import start_serving, stop_all
 from test_tool_calls import TOOLS, TOOLS_TEMPLATE
-from tiny_models import make_checkpoint
+from tiny_models import make_checkpoint, set_chat_template
 
 from router_svc.tool_parsers import HermesStream, parse_calls, reader
 
@@ -87,11 +84,7 @@ def _memorizing_checkpoint(path: str) -> str:
 
     from tandem.tokenizer import Tokenizer
 
-    ckpt = make_checkpoint(path)
-    with open(f"{ckpt}/tokenizer_config.json") as f:
-        cfg = json.load(f)
-    with open(f"{ckpt}/tokenizer_config.json", "w") as f:
-        json.dump({**cfg, "chat_template": TOOLS_TEMPLATE}, f)
+    ckpt = set_chat_template(make_checkpoint(path), TOOLS_TEMPLATE)
     tok = Tokenizer(ckpt)
     seqs = [(tok.encode_chat([{"role": "user", "content": q}], tools=TOOLS), tok.encode(a, add_special_tokens=False)
              + [1]) for q, a in {**ANSWERS, **LLAMA}.items()]
@@ -120,15 +113,9 @@ def trained(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama_client(trained, tmp_path_factory):
     """A second router, reading calls as llama3_json, with a colocated worker on the same model."""
-    tmp = tmp_path_factory.mktemp("llama3-json")
-    router = start_router("router", trained, tmp, "--tool-call-parser", "llama3_json")
-    procs = [router]
+    procs, ep = start_serving(trained, tmp_path_factory.mktemp("llama3-json"), "--tool-call-parser", "llama3_json",
+                              disaggregated=False, num_kv_blocks=128)
     try:
-        ep = router_endpoints(router)
-        procs.append(Proc("decode", [sys.executable, "-m", "tandem.cli", "decode", "--model", trained, "--listen",
-                                     "tcp://127.0.0.1:0", "--router", ep["listen"], "--num-kv-blocks", "128",
-                                     "--kv-connector", "none"], tmp))
-        wait_workers(ep["http"], decode=1)
         yield openai.OpenAI(base_url=f"{ep['http']}/v1", api_key="none", max_retries=0)
     finally:
         stop_all(procs)
@@ -136,17 +123,9 @@ def llama_client(trained, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(trained, tmp_path_factory):
-    tmp, ckpt = tmp_path_factory.mktemp("tool-parser-pd"), trained
-    router = start_router("router", ckpt, tmp, "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
-    procs = [router]
+    procs, ep = start_serving(trained, tmp_path_factory.mktemp("tool-parser-pd"), "--tool-call-parser", "hermes",
+                              "--reasoning-parser", "qwen3", num_kv_blocks=128)
     try:
-        ep = router_endpoints(router)
-        for role in ("prefill", "decode"):
-            extra = ["--local-prefill-threshold", "0"] if role == "decode" else []
-            procs.append(Proc(role, [sys.executable, "-m", "tandem.cli", role, "--model", ckpt, "--listen",
-                                     "tcp://127.0.0.1:0", "--router", ep["listen"], "--num-kv-blocks", "128",
-                                     *extra], tmp))
-        wait_workers(ep["http"], decode=1, prefill=1)
         yield openai.OpenAI(base_url=f"{ep['http']}/v1", api_key="none", max_retries=0)
     finally:
         stop_all(procs)

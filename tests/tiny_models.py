@@ -123,3 +123,12 @@ def make_eagle_head(path: str, target: str, seed: int = 0, scale: float = 0.1, *
         json.dump(cfg, f)
     save_file(weights, os.path.join(path, "model.safetensors"))
     return path
+
+
+def set_chat_template(path: str, template: str) -> str:
+    """Give the checkpoint at `path` this chat template (its tokenizer_config.json); returns `path`."""
+    with open(os.path.join(path, "tokenizer_config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({**cfg, "chat_template": template}, f)
+    return path
