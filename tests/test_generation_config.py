@@ -28,6 +28,25 @@ def test_defaults_are_read_and_checked(tmp_path):
         model_defaults(str(tmp_path))
 
 
+def test_end_tokens_listed_only_in_generation_config_stop_generation(tmp_path):
+    """As in transformers' generate: an id generation_config.json lists as eos_token_id ends a request
+    though config.json does not name it (Qwen instruct models list <|endoftext|> only there)."""
+    import torch
+    import transformers as tf
+
+    path = make_checkpoint(str(tmp_path / "ckpt"))
+    llm = LLM(path, num_kv_blocks=64)
+    ids = llm.tokenizer.encode("def f(x):")
+    free = llm.generate([ids], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0].token_ids
+    stop = free[4]  # a token greedy decoding reaches: make it an end token
+    (tmp_path / "ckpt" / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, stop]}))
+    got = LLM(path, num_kv_blocks=64).generate([ids], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    assert got.token_ids == free[:free.index(stop) + 1] and got.finish_reason == "stop"
+    hf = tf.AutoModelForCausalLM.from_pretrained(path).generate(torch.tensor([ids]), max_new_tokens=12,
+                                                                do_sample=False)
+    assert hf[0, len(ids):].tolist() == got.token_ids
+
+
 @pytest.mark.slow
 def test_shipped_model_demo_does_not_loop():
     llm = LLM()

@@ -48,7 +48,11 @@ class ModelConfig:
                 raw = json.load(f)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{cfg_path} is not valid JSON: {exc}") from exc
-        return cls.from_dict(raw)
+        config = cls.from_dict(raw)
+        # generation_config.json may list more end tokens (Qwen instruct models: <|endoftext|> beside
+        # <|im_end|>); transformers' generate and vLLM stop on them too.
+        config.eos_token_ids += [t for t in _generation_eos(path) if t not in config.eos_token_ids]
+        return config
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -145,3 +149,14 @@ def _layer_windows(raw: dict, arch: str) -> list[int | None]:
     if len(types) != n:
         raise ValueError(f"layer_types has {len(types)} entries for {n} layers")
     return [window if t == "sliding_attention" else None for t in types]
+
+
+def _generation_eos(path: str) -> list[int]:
+    """generation_config.json's eos_token_id (an id or a list), [] without the file or the key."""
+    try:
+        with open(os.path.join(path, "generation_config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    return [t for t in ids if isinstance(t, int) and not isinstance(t, bool) and t >= 0]
