@@ -37,8 +37,9 @@ _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 @dataclass(slots=True)
 class ToolPlan:
-    """What a request's tool_choice asks of the output: `named` (one function's arguments) or not
-    (`required`: an array of calls)."""
+    """What a request's tool_choice asks of the output: `named` (one function's arguments under its
+    grammar), `required` (an array of calls under one grammar), or, with a `parser`, "auto" (calls read
+    out of free text)."""
 
     structured: dict[str, Any] | None  # the grammar, as SamplingParams.structured_outputs
     named: str | None = None
