@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import ssl
 import sys
@@ -33,7 +34,6 @@ from router_svc.prompts import ServedModel
 from router_svc.rebalance import Rebalancer
 from router_svc.registry import Registry
 from router_svc.slo import SloTracker
-from tandem.cli.worker_common import freeze_startup_heap
 from tandem.engine.strategies import resolve_routing_policy as resolve_policy
 from tandem.protocol import security
 
@@ -262,7 +262,8 @@ def print_endpoints(model: ServedModel, endpoints: dict[str, str], file=sys.stdo
 async def serve(config: RouterConfig, on_ready: Callable[[RouterService], None] | None = None) -> None:
     service = RouterService(config)
     await service.start()
-    freeze_startup_heap()  # no multi-10-ms full collections of the startup heap while serving
+    gc.collect()  # then freeze the startup heap: no multi-10-ms full collections of it while serving
+    gc.freeze()  # (as the workers do: tandem/cli/worker_common.py freeze_startup_heap)
     print_endpoints(service.model, service.endpoints)
     if on_ready is not None:
         on_ready(service)
