@@ -3,7 +3,7 @@ same checkpoint, measured by one client -- vLLM's own `vllm bench serve` -- for 
 
     python -m bench.serve_peer --vllm-python /path/to/vllm-venv/bin/python \
         [--model DIR] [--rates 2,8[,inf]] [--num-prompts 40] [--input-len 256] [--output-len 64] \
-        [--modes vllm,tandem-pd,tandem-colocated] [--omp-variants unset[,exported]] [--out FILE]
+        [--modes vllm,tandem-pd,tandem-colocated[,tandem-pd-cond]] [--omp-variants unset[,exported]] [--out FILE]
 
 Each mode starts its server as a child process group on 127.0.0.1 (free ports), waits for /health,
 sends a short warm-up burst, then for each rate runs `vllm bench serve --dataset-name random
@@ -23,6 +23,9 @@ explicit KV-cache size (VLLM_CPU_KVCACHE_SPACE, GiB; default here 1, about tande
 or it tries to reserve 92% of RAM; its default VLLM_CPU_OMP_THREADS_BIND=auto binds the engine to
 one core and leaves the other to the API server -- as tandem up pins prefill and decode to a core
 each. Both servers run float32 with the same served model name.
+
+`tandem-pd-cond` is `tandem up` P/D with conditional disaggregation (`--local-prefill-if-busy 512`:
+prompts of up to 512 tokens are prefilled on D while P is busy), the router's opt-in for TTFT.
 
 Caveats: a 2-core box runs the server(s) and the client together, and other jobs add noise (the JSON
 records the load average at every run). ITL is the gap between SSE chunks as the client receives
@@ -88,7 +91,8 @@ def server_cmd(a, mode: str, port: int, served: str) -> list[str]:
     cmd = shlex.split(a.tandem_cmd) + ["up", "--model", a.model, "--host", "127.0.0.1",
                                        "--http-port", str(port), "--grpc-port", "0",
                                        "--dtype", "float32", "--served-model-name", served]
-    return cmd + (["--colocated"] if mode == "tandem-colocated" else [])
+    extra = {"tandem-colocated": ["--colocated"], "tandem-pd-cond": ["--local-prefill-if-busy", "512"]}
+    return cmd + extra.get(mode, [])
 
 
 def machine_info() -> dict:
@@ -155,7 +159,7 @@ def main() -> None:
     a.model = str(Path(a.model).resolve())
     served = Path(a.model).name
     modes = [m for m in a.modes.split(",") if m]
-    unknown = set(modes) - {"vllm", "tandem-pd", "tandem-colocated"}
+    unknown = set(modes) - {"vllm", "tandem-pd", "tandem-colocated", "tandem-pd-cond"}
     if unknown:
         p.error(f"unknown modes {sorted(unknown)}")
     if not a.vllm_python or not Path(a.vllm_python).exists():

@@ -73,6 +73,17 @@ def stream(base: str, rid: str, prompt: list[int], output_len: int) -> tuple[int
     return sent, first
 
 
+def table(rows: list[dict]) -> None:
+    """Each stage's p50 / p90 / max over `rows`, stages in order of their medians."""
+    def median(k: str) -> float:
+        xs = sorted(r[k] for r in rows if k in r)
+        return xs[len(xs) // 2]
+    print(f"{'stage':<38} {'p50':>8} {'p90':>8} {'max':>8}")
+    for k in sorted({k for r in rows for k in r if k != "sent_ns"}, key=median):
+        xs = sorted(r[k] for r in rows if k in r)
+        print(f"{k:<38} {xs[len(xs) // 2]:8.1f} {xs[int(len(xs) * 0.9)]:8.1f} {xs[-1]:8.1f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in model)")
@@ -119,16 +130,16 @@ def main() -> None:
             rows.append({k: (v - t0) / 1e6 for k, v in events.items() if v is not None} | {"sent_ns": t0})
     finally:
         server.stop()
-    def median(k: str) -> float:
-        xs = sorted(r[k] for r in rows if k in r)
-        return xs[len(xs) // 2]
     rows.sort(key=lambda r: r["sent_ns"])  # send order (the client's CLOCK_MONOTONIC ns, kept in --dump)
-    stages = sorted({k for r in rows for k in r if k != "sent_ns"}, key=median)
+    # Two paths when the router keeps some prompts on D (--local-prefill-if-busy): a table for each.
+    remote = [r for r in rows if any(k.startswith("prefill-") for k in r)]
+    local = [r for r in rows if r not in remote]
     print(f"{len(rows)} requests, {a.rate:g} req/s, {a.input_len}-token prompts; ms after the client sent each")
-    print(f"{'stage':<38} {'p50':>8} {'p90':>8} {'max':>8}")
-    for k in stages:
-        xs = sorted(r[k] for r in rows if k in r)
-        print(f"{k:<38} {xs[len(xs) // 2]:8.1f} {xs[int(len(xs) * 0.9)]:8.1f} {xs[-1]:8.1f}")
+    for name, group in (("prefilled by a prefill worker", remote), ("prefilled by their decode worker", local)):
+        if group and (remote and local):
+            print(f"-- {len(group)} {name}")
+        if group:
+            table(group)
     print(f"server log: {server.log}")
     if a.dump:
         Path(a.dump).write_text(json.dumps(rows, indent=1))

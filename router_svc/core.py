@@ -8,6 +8,10 @@
 3. Dispatch: the decode policy picks a live D, the prefill policy a live P (none registered:
    D computes the prompt itself, colocated), and `add_request(id, token_ids, sampling,
    prefill_peer=P)` goes to D. No live D: NoWorkers (HTTP 503 / UNAVAILABLE).
+   Conditional disaggregation: a prompt of at most `local_prefill_if_busy` tokens whose P already
+   has a prompt in flight goes to D without a peer — D computes it now (mixed into its decode steps)
+   instead of queueing behind P's prefill; longer prompts always wait for P, which is what keeps
+   D's streams smooth.
 4. D streams `output` messages back on the router's link to it; each becomes a Chunk on the
    request's queue, which the front end drains (`Stream`). An `error` from D before any token is a
    BadRequest (D's validation), after tokens an internal error.
@@ -82,9 +86,12 @@ class Flight:
 class Router(Failover):
     def __init__(self, registry: Registry, send: Callable[..., None], decode_policy: RoutingPolicy,
                  prefill_policy: RoutingPolicy, max_inflight: int = 256, block_size: int = 16,
-                 affinity_blocks: int = 4, retry_after_s: int = 1, migrate: bool = True) -> None:
+                 affinity_blocks: int = 4, retry_after_s: int = 1, migrate: bool = True,
+                 local_prefill_if_busy: int = 0) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        if local_prefill_if_busy < 0:
+            raise ValueError(f"local_prefill_if_busy must be >= 0, got {local_prefill_if_busy}")
         self.registry = registry
         self.send = send  # send(address, msg_type, **fields); raises ConnectionError
         self.decode_policy = decode_policy
@@ -94,6 +101,7 @@ class Router(Failover):
         self.affinity_blocks = affinity_blocks
         self.retry_after_s = retry_after_s
         self.migrate = migrate
+        self.local_prefill_if_busy = local_prefill_if_busy
         self.draining = False  # shutting down: new requests are refused, those in flight finish
         self.flights: dict[str, Flight] = {}
 
@@ -126,6 +134,9 @@ class Router(Failover):
             d = cast(Worker, self.decode_policy.choose(decoders, flight.route))  # it picks one of ours
             prefills = self.registry.routable("prefill")
             p = cast(Worker, self.prefill_policy.choose(prefills, flight.route)) if prefills else None
+            if p is not None and p.inflight > 0 and len(flight.token_ids) <= self.local_prefill_if_busy:
+                p = None  # its P is busy and the prompt is short: D computes it sooner than P would
+                metrics.LOCAL_WHEN_BUSY.inc()
             try:
                 self.send(d.address, "add_request", id=flight.rid, token_ids=flight.token_ids,
                           sampling=flight.sampling, prefill_peer=p.address if p is not None else None,

@@ -34,6 +34,9 @@ TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 REQUESTS = Counter("tandem_router_requests_total", "Requests that ended, by API, outcome and reason",
                    ["api", "outcome", "reason"])
 IN_FLIGHT = Gauge("tandem_router_requests_in_flight", "Requests admitted and not finished")
+LOCAL_WHEN_BUSY = Counter("tandem_router_local_prefills_when_busy_total",
+                          "Short prompts sent to their decode worker to prefill because their prefill worker was "
+                          "busy (conditional disaggregation, --local-prefill-if-busy)")
 RETRIES = Counter("tandem_router_retries_total", "Requests re-sent to another decode worker after theirs was lost")
 MIGRATIONS = Counter("tandem_router_migrations_total",
                      "Streams moved mid-way to another decode worker (prompt + tokens sent so far) after "

@@ -54,6 +54,7 @@ class RouterConfig:
     decode_policy: str = "prefix_affinity"
     prefill_policy: str = "prefix_affinity"
     max_inflight: int = 256
+    local_prefill_if_busy: int = 0  # conditional disaggregation (core.py): prompts up to this many tokens
     static_timeout_s: float = 3.0  # static workers: silent this long = down
     heartbeat_misses: float = 4.0  # registered workers: this many missed 0.5 s intervals = dead (~2 s)
     migrate: bool = True  # a stream whose decode worker is lost continues on another one
@@ -79,6 +80,8 @@ class RouterConfig:
         for name in ("max_inflight", "block_size", "affinity_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.local_prefill_if_busy < 0:
+            raise ValueError(f"local_prefill_if_busy must be >= 0, got {self.local_prefill_if_busy}")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
         if self.protect_metrics and not self.api_key:
@@ -110,7 +113,7 @@ class RouterService:
         self.links = WorkerLinks(self.ctx, self._on_worker_message)
         self.router = Router(self.registry, self.links.send, resolve_policy(cfg.decode_policy),
                              resolve_policy(cfg.prefill_policy), cfg.max_inflight, cfg.block_size, cfg.affinity_blocks,
-                             migrate=cfg.migrate)
+                             migrate=cfg.migrate, local_prefill_if_busy=cfg.local_prefill_if_busy)
         for role, addresses in (("decode", cfg.decode), ("prefill", cfg.prefill)):
             for address in addresses:
                 self.registry.add_static(role, address)

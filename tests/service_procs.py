@@ -199,9 +199,11 @@ def metric_value(http: str, name: str, **labels: str) -> float:
 
 
 def start_serving(ckpt: str, log_dir: Path, *router_flags: str, disaggregated: bool = True,
-                  num_kv_blocks: int = 256) -> tuple[list[Proc], dict[str, str]]:
+                  num_kv_blocks: int = 256,
+                  prefill_step_delay: float | None = None) -> tuple[list[Proc], dict[str, str]]:
     """A router on `ckpt` and its workers: a prefill + decode pair that prefills every prompt remotely
-    (so the first token is sampled on the prefill worker), or one decode worker that prefills its own.
+    (so the first token is sampled on the prefill worker; each of its steps slowed by
+    `prefill_step_delay` seconds if given), or one decode worker that prefills its own.
     Waits until they registered; returns (processes, the router's endpoints). stop_all(processes)."""
     procs = [start_router("router", ckpt, log_dir, *router_flags)]
     try:
@@ -209,7 +211,8 @@ def start_serving(ckpt: str, log_dir: Path, *router_flags: str, disaggregated: b
         worker = [sys.executable, "-m", "tandem.cli", "--model", ckpt, "--listen", "tcp://127.0.0.1:0",
                   "--router", ep["listen"], "--num-kv-blocks", str(num_kv_blocks)]
         if disaggregated:
-            procs.append(Proc("prefill", [*worker[:3], "prefill", *worker[3:]], log_dir))
+            slow = step_hook_env(log_dir / "hook-prefill", delay=prefill_step_delay) if prefill_step_delay else None
+            procs.append(Proc("prefill", [*worker[:3], "prefill", *worker[3:]], log_dir, slow))
             procs.append(Proc("decode", [*worker[:3], "decode", *worker[3:], "--local-prefill-threshold", "0"],
                               log_dir))
         else:

@@ -63,6 +63,24 @@ def test_fcfs_queue_at_one_prefill_worker():
         assert ttft == pytest.approx(0.011 * (k + 1) - 0.005 * k)
 
 
+def test_conditional_disaggregation_keeps_short_prompts_on_d_while_p_is_busy():
+    # As the router does (--local-prefill-if-busy 150): B (100 tokens) arrives while P computes A, so D
+    # prefills it at once, as a colocated worker would; C (200 tokens) arrives then too, but is P's.
+    wl = Workload([0.0, 0.005, 0.006], [100, 100, 200], [1, 1, 1], "test")
+    pure = Simulator(CostModel(make_profile()), 1, 1, False).run(wl)
+    sim = Simulator(CostModel(make_profile()), 1, 1, False, local_if_busy=150)
+    res = sim.run(wl)
+    assert sim.p_of == [0, -1, 0]
+    alone_on_d = run(make_profile(), [(0.0, 100, 1)], d=1, colocated=True).ttft_s[0]
+    assert res.ttft_s[1] == pytest.approx(alone_on_d) and pure.ttft_s[1] == pytest.approx(0.011 + G0 + G1 * 300 - 0.005)
+    assert alone_on_d < pure.ttft_s[1]
+    # the price: A's KV (at 11 ms) waits for the end of D's step that prefills B
+    assert pure.ttft_s[0] == pytest.approx(0.011) and res.ttft_s[0] == pytest.approx(0.005 + alone_on_d)
+    # C reaches P only when D's step ends (D seats requests, and asks P, at step boundaries): at 16 ms
+    assert res.ttft_s[2] == pytest.approx(0.005 + alone_on_d + G0 + G1 * 200 - 0.006)
+    assert res.ttft_s[2] < pure.ttft_s[2]
+
+
 def test_kv_that_arrives_mid_step_joins_at_the_next_step_boundary():
     prof = make_profile(decode=lambda b, c: 0.01 * b)
     res = run(prof, [(0.0, 100, 11), (0.034, 100, 3)])

@@ -40,6 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--local-prefill-threshold", type=int, default=32,
                    help="decode workers prefill prompts shorter than this themselves (as `tandem decode`)")
+    p.add_argument("--local-prefill-if-busy", type=int, default=0,
+                   help="the router's conditional disaggregation, as given to `tandem router` (default 0: off)")
     p.add_argument("--model", default=None, help="refuse the profile unless it was measured for this checkpoint")
     p.add_argument("--emit-kustomize", metavar="DIR", default=None,
                    help="write a kustomize overlay with the pick's replica counts into DIR")
@@ -65,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"SLOs: TTFT <= {slo.ttft_s:g} s, ITL <= {slo.itl_s:g} s, for {slo.attainment:.0%} of requests")
     t0 = time.perf_counter()
     if args.min_workers_for_rate:
-        found = min_workers(cost, wl, slo, args.max_workers, args.local_prefill_threshold)
+        found = min_workers(cost, wl, slo, args.max_workers, args.local_prefill_threshold,
+                            args.local_prefill_if_busy)
         if found is None:
             raise ValueError(f"no cluster of up to {args.max_workers} workers meets the SLOs at "
                              f"{wl.rate:.3g} req/s (raise --max-workers, or relax the SLOs)")
@@ -75,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         if args.workers is None:
             raise ValueError("give --workers N (or --min-workers-for-rate)")
-        outcomes = plan(cost, wl, slo, args.workers, args.local_prefill_threshold)
+        outcomes = plan(cost, wl, slo, args.workers, args.local_prefill_threshold,
+                        local_if_busy=args.local_prefill_if_busy)
         pick = best(outcomes)
         print_table(outcomes, pick)
         print(f"simulated {len(outcomes)} splits x {len(wl)} requests in {time.perf_counter() - t0:.1f} s")

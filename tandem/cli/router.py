@@ -36,6 +36,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-policy", default="prefix_affinity", help=_POLICY_HELP)
     p.add_argument("--max-inflight", type=int, default=256,
                    help="admission limit: requests in flight beyond this get HTTP 429 / RESOURCE_EXHAUSTED")
+    p.add_argument("--local-prefill-if-busy", type=int, default=0, metavar="TOKENS",
+                   help="conditional disaggregation: a prompt of at most TOKENS tokens whose prefill worker "
+                        "already has a prompt in flight is prefilled by its decode worker instead of queueing "
+                        "at P (better TTFT under bursts, at the cost of that prefill in D's streams' ITL); "
+                        "longer prompts always go to P. Default 0: every prompt goes to P")
     p.add_argument("--heartbeat-misses", type=float, default=3.0,
                    help="a registered worker silent for this many of its heartbeat intervals is removed")
     p.add_argument("--hung-timeout", type=float, default=60.0,
@@ -99,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
                           http_port=args.http_port, grpc_port=args.grpc_port, listen=args.listen,
                           decode=args.decode, prefill=args.prefill, decode_policy=args.decode_policy,
                           prefill_policy=args.prefill_policy, max_inflight=args.max_inflight,
+                          local_prefill_if_busy=args.local_prefill_if_busy,
                           static_timeout_s=args.static_timeout, heartbeat_misses=args.heartbeat_misses,
                           hung_timeout_s=args.hung_timeout, migrate=args.migrate,
                           drain_timeout_s=args.drain_timeout, api_key=args.api_key or None,

@@ -64,6 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-policy", default=None, help="the router's prefill routing policy")
     p.add_argument("--local-prefill-threshold", type=int, default=None,
                    help="decode workers prefill prompts with fewer uncached tokens than this themselves")
+    p.add_argument("--local-prefill-if-busy", type=int, default=None, metavar="TOKENS",
+                   help="the router's conditional disaggregation: prompts of at most TOKENS tokens are prefilled "
+                        "by their decode worker while the prefill worker is busy (default 0: never)")
     p.add_argument("--cpus-per-worker", type=int, default=None,
                    help="cores (and torch threads) per worker; default: the CPU budget split evenly. The budget "
                         "is this process's affinity mask, capped by an exported OMP_NUM_THREADS")
@@ -112,7 +115,8 @@ def build_commands(args: argparse.Namespace, model: str) -> tuple[list[str], lis
                         ("--prefill-policy", args.prefill_policy), ("--hung-timeout", args.hung_timeout),
                         ("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile),
                         ("--tool-call-parser", args.tool_call_parser),
-                        ("--reasoning-parser", args.reasoning_parser)):
+                        ("--reasoning-parser", args.reasoning_parser),
+                        ("--local-prefill-if-busy", args.local_prefill_if_busy)):
         if value is not None:
             router += [flag, str(value)]
     if not args.migrate:

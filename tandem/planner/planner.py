@@ -82,8 +82,9 @@ def summarise(split: Split, res: SimResult, slo: Slo) -> Outcome:
 
 
 def simulate(cost: CostModel, split: Split, wl: Workload, slo: Slo, local_prefill_threshold: int = 32,
-             core_of: list[int] | None = None) -> Outcome:
-    sim = Simulator(cost, split.prefill, split.decode, split.colocated, local_prefill_threshold, core_of)
+             core_of: list[int] | None = None, local_if_busy: int = 0) -> Outcome:
+    sim = Simulator(cost, split.prefill, split.decode, split.colocated, local_prefill_threshold, core_of,
+                    local_if_busy)
     return summarise(split, sim.run(wl), slo)
 
 
@@ -96,19 +97,21 @@ def splits_to_try(n: int, full_search_max: int = FULL_SEARCH_MAX) -> list[int]:
 
 
 def plan(cost: CostModel, wl: Workload, slo: Slo, workers: int, local_prefill_threshold: int = 32,
-         full_search_max: int = FULL_SEARCH_MAX) -> list[Outcome]:
+         full_search_max: int = FULL_SEARCH_MAX, local_if_busy: int = 0) -> list[Outcome]:
     """Outcomes for the splits of `workers` and colocated, in split order (colocated last)."""
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     done: dict[int, Outcome] = {}
     for p in splits_to_try(workers, full_search_max):
-        done[p] = simulate(cost, Split(p, workers - p), wl, slo, local_prefill_threshold)
+        done[p] = simulate(cost, Split(p, workers - p), wl, slo, local_prefill_threshold,
+                           local_if_busy=local_if_busy)
     if workers - 1 > full_search_max:  # refine: every split between the best grid point's neighbours
         best = max(done.values(), key=rank).split.prefill
         step = max(1, (workers - 1) // 16)
         for p in range(max(1, best - step + 1), min(workers - 1, best + step - 1) + 1):
             if p not in done:
-                done[p] = simulate(cost, Split(p, workers - p), wl, slo, local_prefill_threshold)
+                done[p] = simulate(cost, Split(p, workers - p), wl, slo, local_prefill_threshold,
+                                   local_if_busy=local_if_busy)
     outcomes = [done[p] for p in sorted(done)]
     outcomes.append(simulate(cost, Split(0, workers, colocated=True), wl, slo))
     return outcomes
@@ -128,7 +131,7 @@ def meets(o: Outcome, slo: Slo) -> bool:
 
 
 def min_workers(cost: CostModel, wl: Workload, slo: Slo, max_workers: int,
-                local_prefill_threshold: int = 32) -> tuple[int, Outcome] | None:
+                local_prefill_threshold: int = 32, local_if_busy: int = 0) -> tuple[int, Outcome] | None:
     """Smallest N (and its best split) meeting the SLOs at the workload's rate; None up to max_workers.
     Doubling, then bisection: more workers never serve the same load worse, to the simulator's noise."""
     cache: dict[int, Outcome | None] = {}
@@ -136,7 +139,7 @@ def min_workers(cost: CostModel, wl: Workload, slo: Slo, max_workers: int,
     def ok(n: int) -> Outcome | None:
         if n not in cache:
             # Coarse-to-fine over splits: a search simulates many cluster sizes.
-            o = best(plan(cost, wl, slo, n, local_prefill_threshold, full_search_max=16))
+            o = best(plan(cost, wl, slo, n, local_prefill_threshold, 16, local_if_busy))
             cache[n] = o if meets(o, slo) else None
         return cache[n]
 

@@ -1,7 +1,9 @@
 """Discrete-event simulator of a tandem cluster: router -> P queues -> KV transfer -> D batches, or colocated.
 
 What it models, following the engine (docs/ARCHITECTURE.md, "One request, disaggregated"):
-1. Arrival: the router picks the least-loaded D (in-flight requests) and, disaggregated, the least-loaded P.
+1. Arrival: the router picks the least-loaded D (in-flight requests) and, disaggregated, the least-loaded P;
+   a prompt of at most `local_if_busy` tokens whose P has one in flight stays on D (the router's
+   conditional disaggregation, router_svc/core.py).
 2. D seats it (at most `max_num_seqs` seats) at the start of its next step, or at once when idle; a prompt
    of at least `local_prefill_threshold` tokens goes to its P (the seat is held while it waits), a
    shorter one is prefilled on D itself.
@@ -17,9 +19,8 @@ Colocated workers are D workers that prefill everything themselves.
    processor-shared: while k are busy each step advances at 1/k speed, re-timed whenever one starts
    or stops (one step per event there). Real time-slicing loses more (docs/PLANNING.md).
 
-Speed: one event per worker step, never per token. A running request is a (finishing step, id) entry
-in its worker's heap and the batch's total context is kept as a running sum, so a step costs O(1)
-plus the requests that join or leave it.
+Speed: one event per worker step, never per token. A running request is a (finishing step, id) entry in
+its worker's heap, the batch's context a running sum: a step costs O(1) + the requests joining or leaving.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ class SimResult:
 
 class Simulator:
     def __init__(self, cost: CostModel, prefill_workers: int, decode_workers: int, colocated: bool = False,
-                 local_prefill_threshold: int = 32, core_of: list[int] | None = None) -> None:
+                 local_prefill_threshold: int = 32, core_of: list[int] | None = None,
+                 local_if_busy: int = 0) -> None:
         if decode_workers < 1 or prefill_workers < 0 or (colocated and prefill_workers):
             raise ValueError(f"need >= 1 decode (or colocated) worker and no prefill worker when colocated, got "
                              f"{prefill_workers}P:{decode_workers}D{' colocated' if colocated else ''}")
@@ -106,6 +108,7 @@ class Simulator:
         self.cost = cost
         self.colocated = colocated
         self.threshold = 10**12 if colocated else local_prefill_threshold
+        self.local_if_busy = local_if_busy
         self.p = [Worker(PREFILL, i) for i in range(prefill_workers)]
         self.d = [Worker(COLOCATED if colocated else DECODE, i) for i in range(decode_workers)]
         if core_of is not None:  # prefill workers first, then decode: tandem up's order
@@ -141,9 +144,11 @@ class Simulator:
                 w = route_d.choose()
                 route_d.change(w, 1)
                 self.d_of[i] = w
-                if route_p is not None:
-                    self.p_of[i] = route_p.choose()
-                    route_p.change(self.p_of[i], 1)
+                if route_p is not None:  # p_of -1: D prefills it (conditional disaggregation)
+                    p = route_p.choose()
+                    self.p_of[i] = -1 if route_p.load[p] and self.prompt[i] <= self.local_if_busy else p
+                    if self.p_of[i] >= 0:
+                        route_p.change(p, 1)
                 dw = self.d[w]
                 dw.waiting.append(i)
                 self._wake(dw, t)
@@ -214,7 +219,7 @@ class Simulator:
         while w.waiting and w.seats_used < cost.seats:
             i = w.waiting.popleft()
             w.seats_used += 1
-            if w.kind == DECODE and self.prompt[i] >= self.threshold:
+            if w.kind == DECODE and self.prompt[i] >= self.threshold and self.p_of[i] >= 0:
                 pw = self.p[self.p_of[i]]  # D's connector sends `prefill` as it allocates the blocks
                 pw.waiting.append(i)
                 if not pw.busy:
