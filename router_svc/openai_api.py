@@ -147,10 +147,12 @@ def parse_chat(body: Any, model: ServedModel) -> ParsedRequest:
                        structured=None if plan is None else plan.structured)
     if plan is not None and plan.parsed and body.get("skip_special_tokens") is None:
         params = replace(params, skip_special_tokens=False)  # a model's call tags may be special tokens
+    reasoning = _reasoning(ids, model)
+    block = None if reasoning is None else reasoning.grammar_block
+    if params.structured_outputs is not None and block is not None:  # the grammar starts after the thinking
+        params = replace(params, structured_outputs={**params.structured_outputs, "reasoning_block": block})
     parsed = _fan_out(body, [ids], params, chat=True)
-    parsed.tools = plan
-    if params.structured_outputs is None:  # a grammar leaves the model no room to think: nothing to split
-        parsed.reasoning = _reasoning(ids, model)
+    parsed.tools, parsed.reasoning = plan, reasoning
     return parsed
 
 

@@ -10,7 +10,10 @@ Where the output starts is read from the rendered prompt's end (`reasoning_for`)
   an opening tag the model writes anyway is dropped) unless the prompt ends after a closed block.
 In the block, text up to `</think>` is reasoning; the rest is content.
 
-Both: a block never closed (cut by max_tokens) is all reasoning, whole and streamed alike. Streamed, text
+Both: a block never closed (cut by max_tokens) is all reasoning, whole and streamed alike. A request
+with a grammar (response_format, structured_outputs, a forced tool call) gets it after the block
+(`grammar_block`, the engine's structured_outputs.reasoning_block), as vLLM applies it after the
+reasoning ends: the thinking stays free, the answer follows the grammar. Streamed, text
 goes out as generated except for a tail that could still be a tag. The content part then goes on to the
 tool-call parser, if any (tool_calls.py).
 """
@@ -35,6 +38,13 @@ class Reasoning:
 
     parser: str
     thinking: bool
+    closed: bool = False  # the prompt closed the block (e.g. Qwen3's enable_thinking: false): all content
+
+    @property
+    def grammar_block(self) -> str | None:
+        """Where a grammar starts: after the block the output is in ("open"), or after one it may open
+        first ("optional"), or at once (None: the prompt closed the block)."""
+        return "open" if self.thinking else None if self.closed else "optional"
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self.thinking)
@@ -48,7 +58,7 @@ class Reasoning:
 def reasoning_for(parser: str, prompt_tail: str) -> Reasoning:
     """The split for a prompt that ends with `prompt_tail` (its last tokens' text, special tokens kept)."""
     opened, closed = prompt_tail.rfind(START), prompt_tail.rfind(END)
-    return Reasoning(parser, opened > closed if parser == "qwen3" else not closed > opened)
+    return Reasoning(parser, opened > closed if parser == "qwen3" else not closed > opened, closed > opened)
 
 
 @dataclass(slots=True)

@@ -80,10 +80,14 @@ class LLM:
                     if out.finished:
                         return
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None, *,
+             tools: list[dict] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation or several, rendered by the model's chat template (vLLM's keyword names)."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        return self.generate([self.tokenizer.encode_chat(m) for m in conversations], params)
+        prompts = [self.tokenizer.encode_chat(m, add_generation_prompt, tools, continue_final_message,
+                                              **(chat_template_kwargs or {})) for m in conversations]
+        return self.generate(prompts, params)
 
     def score(self, token_ids: list[int]) -> list[float]:
         """Log-prob of each token after the first, given its prefix (for perplexity)."""

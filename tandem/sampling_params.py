@@ -186,6 +186,9 @@ def _check_number(name: str, value: object) -> None:
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# structured_outputs.reasoning_block: the grammar applies after a <think> block the output starts inside
+# ("open") or may start with ("optional"); tandem/engine/structured.py after_reasoning
+REASONING_BLOCKS = ("open", "optional")
 MAX_LOGIT_BIAS = 300
 
 
@@ -194,7 +197,7 @@ def check_structured(spec: object) -> dict:
     is the engine's check (tandem/engine/structured.py)."""
     if not isinstance(spec, dict) or len([k for k in spec if k in STRUCTURED_KINDS]) != 1:
         raise ValueError(f"structured_outputs must name exactly one of {list(STRUCTURED_KINDS)}, got {spec!r:.200}")
-    unknown = set(spec) - set(STRUCTURED_KINDS) - {"resume_tokens"}
+    unknown = set(spec) - set(STRUCTURED_KINDS) - {"resume_tokens", "reasoning_block"}
     if unknown:
         raise ValueError(f"structured_outputs: unknown field(s) {sorted(unknown)}; known: {list(STRUCTURED_KINDS)}")
     kind, value = next((k, v) for k, v in spec.items() if k in STRUCTURED_KINDS)
@@ -208,6 +211,8 @@ def check_structured(spec: object) -> dict:
         raise ValueError("structured_outputs.json_object must be true")
     if "resume_tokens" in spec:
         _check_int("structured_outputs.resume_tokens", spec["resume_tokens"], minimum=0)
+    if spec.get("reasoning_block", "open") not in REASONING_BLOCKS:
+        raise ValueError(f"structured_outputs.reasoning_block must be one of {list(REASONING_BLOCKS)}")
     return spec
 
 

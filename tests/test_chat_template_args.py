@@ -107,6 +107,10 @@ def test_continue_final_message_through_the_front_door(ckpt, served):
     assert out["usage"]["prompt_tokens"] == len(ids)
     want = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].text
     assert out["choices"][0]["message"]["content"] == want
+    # offline, vLLM's LLM.chat keywords give the same prompt
+    offline = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), add_generation_prompt=False,
+                       continue_final_message=True, chat_template_kwargs={"enable_thinking": False})[0]
+    assert offline.prompt_token_ids == ids and offline.text == want
     status, _, out = post(f"{http}/v1/chat/completions", {**body, "continue_final_message": None,
                                                            "add_generation_prompt": None})
     thinking = llm.tokenizer.encode_chat(CHAT, enable_thinking=False)

@@ -45,6 +45,12 @@ def test_where_the_output_starts_is_read_from_the_prompt():
     assert reasoning_for("deepseek_r1", "<｜Assistant｜>").thinking  # R1 thinks from the start
     assert reasoning_for("deepseek_r1", "<｜Assistant｜><think>\n").thinking
     assert not reasoning_for("deepseek_r1", "<think>\n\n</think>").thinking  # a closed block: thinking is off
+    # where a grammar starts (structured_outputs.reasoning_block)
+    assert reasoning_for("qwen3", "<|im_start|>assistant\n").grammar_block == "optional"
+    assert reasoning_for("qwen3", "assistant\n<think>\n").grammar_block == "open"
+    assert reasoning_for("qwen3", "<think>\n\n</think>\n\n").grammar_block is None
+    assert reasoning_for("deepseek_r1", "<｜Assistant｜>").grammar_block == "open"
+    assert reasoning_for("deepseek_r1", "<think>\n\n</think>").grammar_block is None
     opened, plain = Reasoning("qwen3", True), Reasoning("qwen3", False)
     assert plain.split("<think>\nplan\n</think>\n\nAnswer") == ("\nplan\n", "\n\nAnswer")
     assert plain.split("plan</think>answer") == (None, "plan</think>answer")  # nothing opened it
@@ -60,7 +66,8 @@ def test_where_the_output_starts_is_read_from_the_prompt():
 
 def test_a_chat_request_gets_the_split_its_prompt_calls_for(tmp_path):
     """The router reads its own rendered prompt: a template that opens the block makes the output start as
-    reasoning; a grammar leaves nothing to split; beam search answers are split too."""
+    reasoning; a grammar starts after the block (structured_outputs.reasoning_block: "open" where the prompt
+    opened it, "optional" where the output may); beam search answers are split too."""
     from router_svc.openai_api import parse_chat
     from router_svc.prompts import ServedModel
 
@@ -71,6 +78,11 @@ def test_a_chat_request_gets_the_split_its_prompt_calls_for(tmp_path):
     body = {"messages": [{"role": "user", "content": "hi"}]}
     assert parse_chat(body, model).reasoning == Reasoning("qwen3", False)
     assert parse_chat({**body, "chat_template_kwargs": {"think": True}}, model).reasoning == Reasoning("qwen3", True)
-    assert parse_chat({**body, "response_format": {"type": "json_object"}}, model).reasoning is None
+    asked = {**body, "response_format": {"type": "json_object"}}
+    assert parse_chat(asked, model).reasoning == Reasoning("qwen3", False)
+    assert parse_chat(asked, model).params[0].structured_outputs == {"json_object": True, "reasoning_block": "optional"}
+    opened = parse_chat({**asked, "chat_template_kwargs": {"think": True}}, model).params[0].structured_outputs
+    assert opened == {"json_object": True, "reasoning_block": "open"}
+    assert parse_chat(asked, ServedModel(path)).params[0].structured_outputs == {"json_object": True}
     assert parse_chat({**body, "use_beam_search": True, "n": 2, "temperature": 0}, model).reasoning is not None
     assert parse_chat(body, ServedModel(path)).reasoning is None

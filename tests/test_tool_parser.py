@@ -6,6 +6,10 @@ reasoning come from a real model's greedy output (checked against transformers f
 
 from __future__ import annotations
 
+import json
+import re
+
+import jsonschema
 import openai
 import pytest
 from service_procs import start_serving, stop_all
@@ -163,13 +167,36 @@ def test_a_bad_response_format_under_auto_is_named_as_such(client):
 
 
 @pytest.mark.slow
-def test_a_grammar_leaves_no_reasoning_to_split(client):
-    """With a grammar the output is not read for reasoning: its text is the answer, tags and all."""
-    resp = client.chat.completions.create(model="", messages=[{"role": "user", "content": "think first"}],
-                                          temperature=0, max_tokens=200, extra_body={"structured_outputs": {
-                                              "regex": r"<think>It is cold there\.</think>It is -3 in Oslo\."}})
-    assert resp.choices[0].message.content == ANSWERS["think first"]
-    assert getattr(resp.choices[0].message, "reasoning_content", None) is None
+def test_a_grammar_applies_after_the_thinking(client):
+    """The thinking stays free, the answer follows the grammar (as vLLM applies it after the reasoning)."""
+    def ask(question: str, stream: bool, **kw) -> tuple[str | None, str | None, list]:
+        args = dict(model="", messages=[{"role": "user", "content": question}], temperature=0, max_tokens=200, **kw)
+        if not stream:
+            m = client.chat.completions.create(**args).choices[0].message
+            return m.reasoning_content, m.content, m.tool_calls or []  # type: ignore[attr-defined]
+        chunks = [c.choices[0].delta for c in client.chat.completions.create(**args, stream=True) if c.choices]
+        thought = "".join(getattr(d, "reasoning_content", None) or "" for d in chunks) or None
+        calls = [t for d in chunks for t in d.tool_calls or []]
+        return thought, "".join(d.content or "" for d in chunks) or None, calls
+
+    for stream in (False, True):
+        # the model's own answer fits: unchanged (a grammar from the first token would have cut the thinking)
+        plain = dict(tools=TOOLS, tool_choice="none")  # the prompt it was trained on; no tool plan
+        fits = ask("think first", stream, **plain,
+                   extra_body={"structured_outputs": {"regex": r"It is -?\d+ in [A-Z]\w+\."}})
+        assert fits[:2] == ("It is cold there.", "It is -3 in Oslo.")
+        # it does not: the same thinking, then an answer the grammar allows
+        thought, content, _ = ask("think first", stream, **plain,
+                                  extra_body={"structured_outputs": {"regex": "Oslo is [a-z]+"}})
+        # (the grammar lets up to 3 whitespace characters follow </think>: they start the content)
+        assert thought == "It is cold there." and re.fullmatch(r"\s{0,3}Oslo is [a-z]+", content or "")
+        # a forced call: thinking, then arguments under the tool's schema
+        thought, content, calls = ask("think, then call", stream, tools=TOOLS,
+                                      tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        assert thought == "I need the weather." and content is None and calls[0].function.name == "get_weather"
+        assert all(getattr(c, "index", 0) == 0 for c in calls)  # one call (streamed: in pieces)
+        arguments = json.loads("".join(c.function.arguments for c in calls))
+        jsonschema.validate(arguments, TOOLS[0]["function"]["parameters"])
 
 
 @pytest.mark.slow

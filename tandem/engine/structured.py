@@ -14,6 +14,10 @@ allowed next: for the one row a plain step samples, or for each row a speculativ
 under the grammar state the draft advances (an invalid draft token is masked out, so it is rejected).
 The state catches up on tokens it has not seen (a first token sampled on the prefill worker, tokens
 generated before a migration), so it needs no other hook.
+
+A thinking model's answer (`reasoning_block`, set by the router's reasoning parser): the grammar applies
+after the `<think>` block, as vLLM applies it after the reasoning ends — the block is free text up to the
+first `</think>` (a special token or the text), then up to 3 whitespace characters, then the grammar.
 """
 
 from __future__ import annotations
@@ -39,10 +43,33 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 def spec_key(spec: dict[str, Any]) -> str:
-    return json.dumps({k: v for k, v in spec.items() if k in KINDS}, sort_keys=True, separators=(",", ":"))
+    return json.dumps({k: v for k, v in spec.items() if k in KINDS or k == "reasoning_block"}, sort_keys=True,
+                      separators=(",", ":"))
 
 
-def _grammar_text(spec: dict[str, Any]) -> str:
+def _grammar_text(spec: dict[str, Any], think_tags: dict[str, int]) -> str:
+    grammar = _kind_text(spec)
+    block = spec.get("reasoning_block")
+    return grammar if block is None else after_reasoning(grammar, block, think_tags)
+
+
+def after_reasoning(grammar: str, block: str, think_tags: dict[str, int]) -> str:
+    """`grammar` behind a `<think>` block that the output starts inside ("open") or may open first
+    ("optional"). llguidance takes a list of grammars, the first the start one, `@name` one nested in
+    another; the tags are matched as the special tokens they are where the tokenizer has them so
+    (`think_tags`: text -> id), else as text. The block's text is lazy: it ends at the first `</think>`."""
+    inner = json.loads(grammar)["grammars"] if grammar.lstrip().startswith("{") else [{"lark_grammar": grammar}]
+    answer = {**inner[0], "name": inner[0].get("name") or "answer"}
+    end, start = think_tags.get("</think>"), think_tags.get("<think>")
+    think = (f"think: THINK <[{end}]>\nTHINK: /(?s:.*)/" if end is not None  # text never spans a special token
+             else "think[lazy]: /(?s:.*)<\\/think>/")
+    opener = f"<[{start}]>" if start is not None else '"<think>"'
+    top = "think WS" if block == "open" else f"(WS {opener} think)? WS"
+    lark = f"start: {top} @{answer['name']}\n{think}\nWS: /[ \\t\\r\\n]{{0,3}}/\n"
+    return json.dumps({"grammars": [{"name": "reasoning", "lark_grammar": lark}, answer, *inner[1:]]})
+
+
+def _kind_text(spec: dict[str, Any]) -> str:
     kind, value = next((k, v) for k, v in spec.items() if k in KINDS)
     try:
         if kind == "json":
@@ -65,6 +92,9 @@ class Grammars:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids or None)
+        added = json.loads(tokenizer_json).get("added_tokens") or []
+        self.think_tags = {t["content"]: t["id"] for t in added if t.get("special") and t["content"] in
+                           ("<think>", "</think>")}
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -79,7 +109,7 @@ class Grammars:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        grammar = _grammar_text(spec)
+        grammar = _grammar_text(spec, self.think_tags)
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
             kind = next(k for k in spec if k in KINDS)
