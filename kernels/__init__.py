@@ -38,7 +38,8 @@ REFERENCE_OPS = KernelOps(
 )
 
 
-NATIVE_CPU_OPS = replace(REFERENCE_OPS, name="native", paged_decode_attention=native_cpu.paged_decode_attention)
+NATIVE_CPU_OPS = replace(REFERENCE_OPS, name="native", paged_decode_attention=native_cpu.paged_decode_attention,
+                         store_kv=native_cpu.store_kv)
 
 
 def _triton_ops() -> KernelOps:

@@ -90,6 +90,7 @@ def library() -> ctypes.CDLL | None:
             ("tandem_silu_and_mul_f32", None, [ptr, ptr, i64, i64, i32]),
             ("tandem_rope_f32", None, [ptr, i64, ptr, ptr, i64, i32, i32, i32]),
             ("tandem_argmax_f32", None, [ptr, i64, i64, ptr, i32]),
+            ("tandem_store_kv_f32", i32, [ptr, i64, ptr, i64, ptr, i64, i32, ptr, i64, i64]),
             ("tandem_apply_bitmask_f32", None, [ptr, i64, i64, i64, ptr, i64, i64, ptr]),
             ("tandem_topk_rows_f32", None, [ptr, i64, i64, ptr, i64, i64, ptr, i32]),
             ("tandem_linear_bf16w_f32", i32, [ptr] * 4 + [i64] * 3 + [i32]),
@@ -160,6 +161,32 @@ def _checked(block_tables, seq_lens, q_len, num_blocks, block_size, window):
             raise ValueError(f"block ids must lie in [0, {num_blocks}): the cache has {num_blocks} blocks")
     _last_checked[0] = (block_tables, seq_lens, (q_len, num_blocks, window), (tables, lens))
     return tables, lens
+
+
+def _rows_of(t: torch.Tensor) -> bool:
+    """[T, Hkv, D] whose rows are each contiguous (a column slice of a wider tensor is fine)."""
+    return t.dim() == 3 and t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
+def store_kv(key, value, kv_cache, slot_mapping, kv_scale=None):
+    """kernels.reference.store_kv's contract as row copies in C, for fp32 caches on the CPU; a quantized
+    or half cache, or rows laid out otherwise, go to the reference."""
+    from kernels import reference
+
+    lib = library()
+    if (lib is None or kv_scale is not None or kv_cache.dtype != torch.float32 or kv_cache.device.type != "cpu"
+            or not kv_cache.is_contiguous() or not _rows_of(key) or not _rows_of(value)
+            or slot_mapping.device.type != "cpu"):
+        return reference.store_kv(key, value, kv_cache, slot_mapping, kv_scale)
+    slots = slot_mapping.to(torch.int64).contiguous()
+    num_blocks, _, bs, hkv, d = kv_cache.shape
+    if key.shape != (slots.numel(), hkv, d) or value.shape != key.shape:
+        raise ValueError(f"key/value {tuple(key.shape)}/{tuple(value.shape)} do not match {slots.numel()} slots "
+                         f"of [{hkv}, {d}]")
+    rc = lib.tandem_store_kv_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                 kv_cache.data_ptr(), num_blocks * bs, bs, slots.data_ptr(), slots.numel(), hkv * d)
+    if rc != 0:
+        raise IndexError(f"slot_mapping holds a slot past the cache's {num_blocks * bs}")
 
 
 def paged_decode_attention(query, kv_cache, block_tables, seq_lens, scale, kv_scale=None, window=None):

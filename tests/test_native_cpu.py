@@ -115,6 +115,33 @@ def test_other_dtypes_take_the_reference():
                        REFERENCE_OPS.paged_decode_attention(query.bfloat16(), half, tables, seq_lens, 0.125))
 
 
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_store_kv_equals_the_reference_and_refuses_a_slot_past_the_cache(rows):
+    """K/V rows (contiguous, or the column halves of hidden states as EAGLE's cache layer stores them),
+    -1 slots skipped: the cache bitwise the reference's; a slot past the cache writes nothing."""
+    g = torch.Generator().manual_seed(rows)
+    cache = torch.randn(40, 2, 16, 4, 32, generator=g)
+    slots = torch.randperm(40 * 16, generator=g)[:rows]
+    slots[1::3] = -1
+    hidden = torch.randn(rows, 256, generator=g)
+    for key, value in ((torch.randn(rows, 4, 32, generator=g), torch.randn(rows, 4, 32, generator=g)),
+                       (hidden[:, :128].reshape(rows, 4, 32), hidden[:, 128:].reshape(rows, 4, 32))):
+        want, got = cache.clone(), cache.clone()
+        reference.store_kv(key, value, want, slots)
+        native_cpu.store_kv(key, value, got, slots)
+        assert torch.equal(got, want) and not torch.equal(got, cache)
+    past = slots.clone()
+    past[-1] = 40 * 16
+    with pytest.raises(IndexError):
+        native_cpu.store_kv(key, value, got, past)
+    assert torch.equal(got, want)  # nothing written
+    half = cache.to(torch.bfloat16)  # not the kernel's: the reference's result
+    want, got = half.clone(), half.clone()
+    reference.store_kv(key.bfloat16(), value.bfloat16(), want, slots)
+    native_cpu.store_kv(key.bfloat16(), value.bfloat16(), got, slots)
+    assert torch.equal(got, want)
+
+
 # ------------------------------------------------------------------ fused elementwise ops (kernels/fused.py)
 
 def _torch_forms(monkeypatch, fn, *args):

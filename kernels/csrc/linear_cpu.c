@@ -49,8 +49,9 @@ static inline float load1w(float v) { return v; }
  * stream, prefetching PREFETCH_AHEAD bytes ahead into L2 one cache line per line consumed. The previous
  * layout (R = 1-4 rows together, the next group's bytes prefetched in one burst into L1) streamed the 55M
  * Llama's weights at 16-19 GB/s where a read-only sum reaches 26-29; this one reaches 23-27 (1-3 rows, 2
- * threads, weights evicted; docs/PERFORMANCE.md "Session 14"). U accumulators per input row along K keep
- * enough independent FMAs in flight when M is small; the sum of them is the only change of order. */
+ * threads, weights evicted; docs/PERFORMANCE.md "Session 14"). One input row keeps U = 4 accumulators along K
+ * (enough independent FMAs in flight; their sum is the only change of order); 2-8 rows run in pairs of
+ * weight rows (below), this kernel only for an odd last row, with U = 1. */
 #define PREFETCH_AHEAD 4096
 #define PREFETCH_LOCALITY 2 /* prefetcht1 (L2): beat 0 (nta, 1.4x slower) and 3 (t0) at 1-3 rows */
 
@@ -84,13 +85,66 @@ static inline float load1w(float v) { return v; }
             }                                                                                                 \
         }                                                                                                     \
     }
+/* Two weight rows at a time against all M >= 2 input rows: each input vector loaded once feeds both rows'
+ * FMAs, and the 2M accumulators are enough independent chains to hide the FMA latency that one row's M
+ * left exposed (one row, U = 1: a chain per input row, each FMA waiting for the last). Shipped model's
+ * four layer linears, bf16 weights, 2 threads, six layers' weights rotating (docs/PERFORMANCE.md
+ * "Session 19"): 4 rows 99 -> 80 us, 5 rows 110 -> 88, 6 rows 121 -> 96, 8 rows 140 -> 118. Each (m, n)
+ * sum runs in the order of the one-row kernel with U = 1 (lanes along K, then their sum), so an odd last
+ * weight row, which that kernel computes, gets the same bits as it would in a pair. */
+#define PAIR_ROWS(NAME, T, WIDEN8, WIDEN1, M)                                                                 \
+    static void NAME##_pairs_##M(const float *x, const T *w, int64_t K, float *y, int64_t N, int64_t n0,      \
+                                 int64_t n1, const float *bias) {                                             \
+        const int64_t ahead = PREFETCH_AHEAD / (int64_t)sizeof(T), kv = K / 8 * 8;                            \
+        int64_t n = n0;                                                                                       \
+        for (; n + 2 <= n1; n += 2) {                                                                         \
+            const T *r0 = w + n * K, *r1 = r0 + K;                                                            \
+            f32x8 a0[M], a1[M];                                                                               \
+            for (int m = 0; m < M; m++) a0[m] = a1[m] = (f32x8){0};                                          \
+            for (int64_t k = 0; k < kv; k += 8) {                                                             \
+                if ((k * (int64_t)sizeof(T)) % 64 == 0) {                                                     \
+                    __builtin_prefetch((const char *)(r0 + k + ahead), 0, PREFETCH_LOCALITY);                 \
+                    __builtin_prefetch((const char *)(r1 + k + ahead), 0, PREFETCH_LOCALITY);                 \
+                }                                                                                             \
+                const f32x8 w0 = WIDEN8(r0 + k), w1 = WIDEN8(r1 + k);                                         \
+                for (int m = 0; m < M; m++) {                                                                 \
+                    const f32x8 xv = load8f(x + m * K + k);                                                   \
+                    a0[m] += w0 * xv;                                                                         \
+                    a1[m] += w1 * xv;                                                                         \
+                }                                                                                             \
+            }                                                                                                 \
+            for (int m = 0; m < M; m++) {                                                                     \
+                float s0 = 0.f, s1 = 0.f;                                                                     \
+                for (int i = 0; i < 8; i++) s0 += a0[m][i], s1 += a1[m][i];                                  \
+                for (int64_t j = kv; j < K; j++) s0 += x[m * K + j] * WIDEN1(r0[j]), s1 += x[m * K + j] * WIDEN1(r1[j]); \
+                y[m * N + n] = s0 + (bias ? bias[n] : 0.f);                                                   \
+                y[m * N + n + 1] = s1 + (bias ? bias[n + 1] : 0.f);                                           \
+            }                                                                                                 \
+        }                                                                                                     \
+        if (n < n1) NAME##_rows_##M(x, w, K, y, N, n, n1, bias);                                              \
+    }
 #define STREAMS(NAME, T, WIDEN8, WIDEN1)                                                                      \
-    STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 1, 4) STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 2, 2)                    \
-    STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 3, 2) STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 4, 1)                    \
+    STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 1, 4) STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 2, 1)                    \
+    STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 3, 1) STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 4, 1)                    \
     STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 5, 1) STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 6, 1)                    \
     STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 7, 1) STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 8, 1)
 STREAMS(bf16w, uint16_t, widen8, widen1)
 STREAMS(f32w, float, load8w, load1w)
+#define PAIRS(NAME, T, WIDEN8, WIDEN1)                                                                        \
+    PAIR_ROWS(NAME, T, WIDEN8, WIDEN1, 2) PAIR_ROWS(NAME, T, WIDEN8, WIDEN1, 3)                              \
+    PAIR_ROWS(NAME, T, WIDEN8, WIDEN1, 4) PAIR_ROWS(NAME, T, WIDEN8, WIDEN1, 5)                              \
+    PAIR_ROWS(NAME, T, WIDEN8, WIDEN1, 6)
+PAIRS(bf16w, uint16_t, widen8, widen1)
+PAIRS(f32w, float, load8w, load1w)
+/* 7-8 rows in pairs hold 14-16 accumulators: AVX-512's 32 vector registers take them, AVX2's 16 do not
+ * (they would spill), so there the one-row kernel runs them. */
+#if defined(__AVX512VL__)
+PAIR_ROWS(bf16w, uint16_t, widen8, widen1, 7) PAIR_ROWS(bf16w, uint16_t, widen8, widen1, 8)
+PAIR_ROWS(f32w, float, load8w, load1w, 7) PAIR_ROWS(f32w, float, load8w, load1w, 8)
+#define RUN_7_8(NAME) RUN_ROWS(NAME##_pairs_7, 7) RUN_ROWS(NAME##_pairs_8, 8)
+#else
+#define RUN_7_8(NAME) RUN_ROWS(NAME##_rows_7, 7) RUN_ROWS(NAME##_rows_8, 8)
+#endif
 #undef STREAMS
 #undef STREAM_ROWS
 
@@ -99,22 +153,23 @@ int omp_get_num_threads(void);
 
 /* Threads only for a weight big enough to pay for waking them (64k elements); each takes one contiguous
  * share of W's rows. */
-#define RUN_ROWS(NAME, M)                                                                                     \
+#define RUN_ROWS(FN, M)                                                                                       \
     case M:                                                                                                   \
         if (num_threads > 1 && N * K >= 65536) {                                                              \
             _Pragma("omp parallel num_threads(num_threads)") {                                               \
                 const int64_t share = (N + omp_get_num_threads() - 1) / omp_get_num_threads();               \
                 const int64_t a = omp_get_thread_num() * share, b = a + share < N ? a + share : N;            \
-                if (a < b) NAME##_rows_##M(x, w, K, y, N, a, b, bias);                                        \
+                if (a < b) FN(x, w, K, y, N, a, b, bias);                                                     \
             }                                                                                                 \
         } else {                                                                                              \
-            NAME##_rows_##M(x, w, K, y, N, 0, N, bias);                                                       \
+            FN(x, w, K, y, N, 0, N, bias);                                                                    \
         }                                                                                                     \
         return 0;
 #define DISPATCH(NAME)                                                                                        \
     switch (M) {                                                                                              \
-        RUN_ROWS(NAME, 1) RUN_ROWS(NAME, 2) RUN_ROWS(NAME, 3) RUN_ROWS(NAME, 4)                              \
-        RUN_ROWS(NAME, 5) RUN_ROWS(NAME, 6) RUN_ROWS(NAME, 7) RUN_ROWS(NAME, 8)                              \
+        RUN_ROWS(NAME##_rows_1, 1) RUN_ROWS(NAME##_pairs_2, 2) RUN_ROWS(NAME##_pairs_3, 3)                   \
+        RUN_ROWS(NAME##_pairs_4, 4) RUN_ROWS(NAME##_pairs_5, 5) RUN_ROWS(NAME##_pairs_6, 6)                  \
+        RUN_7_8(NAME)                                                                                         \
     }                                                                                                         \
     return -1;
 
@@ -129,7 +184,7 @@ static int rows_f32w(const float *x, const float *w, const float *bias, float *y
 }
 
 /* Both return 0, or -1 for M < 1 (the caller then uses oneDNN). Up to 8 rows in one pass over the weights
- * (M*U accumulators + 1 weight vector + 1 input vector fit AVX2's 16 registers): a batch-1 speculative
+ * (their accumulators fit the vector registers, see PAIR_ROWS): a batch-1 speculative
  * verification reads each weight once for its k + 1 rows. Shipped model's 25 linears,
  * 2 threads, weights evicted: 5 rows 1.12-1.13 -> 0.90-0.98 ms, 6 rows 1.14-1.38 -> 0.96-1.00 ms against
  * groups of 4 and the rest (two passes); 9+ rows go 8 at a time. */

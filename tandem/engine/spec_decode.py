@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from kernels import fused
 from tandem.engine.request import Request
 from tandem.engine.sampler import filter_logits
 from tandem.sampling_params import SamplingParams
@@ -72,8 +73,8 @@ def rejection_verify(target_probs: torch.Tensor, draft: list[int], draft_probs: 
 def verify(logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None, params: SamplingParams,
            generator: torch.Generator | None) -> list[int]:
     """logits [k+1, V] of one request -> the tokens it keeps (1 to k+1 of them)."""
-    if params.greedy:
-        return greedy_verify(logits.argmax(dim=-1).tolist(), draft)
+    if params.greedy:  # the C argmax where it runs (torch's first-maximum rule, NaN included): ~40 us less
+        return greedy_verify(fused.argmax_rows(logits), draft)
     rows = logits.float().cpu()
     p = torch.stack([filter_logits(rows[i], params) for i in range(rows.shape[0])])
     q = draft_probs.float().cpu() if draft_probs is not None else None
