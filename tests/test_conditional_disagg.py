@@ -99,3 +99,12 @@ def test_a_negative_limit_is_refused_in_one_line():
     r = subprocess.run([sys.executable, "-m", "tandem.cli", "router", "--local-prefill-if-busy", "-1"], cwd=ROOT,
                        env=ENV, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "local_prefill_if_busy must be >= 0" in r.stderr, r.stderr
+
+
+def test_tandem_up_hands_the_limit_to_its_router():
+    from tandem.cli import build_parser
+    from tandem.cli.up import build_commands
+
+    router, _ = build_commands(build_parser().parse_args(["up", "--local-prefill-if-busy", "512"]), "/m")
+    assert router[router.index("--local-prefill-if-busy") + 1] == "512"
+    assert "--local-prefill-if-busy" not in build_commands(build_parser().parse_args(["up"]), "/m")[0]
