@@ -1,20 +1,18 @@
 """Discrete-event simulator of a tandem cluster: router -> P queues -> KV transfer -> D batches, or colocated.
 
 What it models, following the engine (docs/ARCHITECTURE.md, "One request, disaggregated"):
-1. Arrival: the router picks the least-loaded D (in-flight requests) and, disaggregated, the least-loaded P;
-   a prompt of at most `local_if_busy` tokens whose P has one in flight stays on D (the router's
-   conditional disaggregation, router_svc/core.py).
+1. Arrival: the router picks the least-loaded D (in-flight requests) and, disaggregated, the least-loaded P
+   (`local_if_busy`: a prompt that short whose P has one in flight stays on D, as router_svc/core.py does).
 2. D seats it (at most `max_num_seqs` seats) at the start of its next step, or at once when idle; a prompt
-   of at least `local_prefill_threshold` tokens goes to its P (the seat is held while it waits), a
-   shorter one is prefilled on D itself.
+   of at least `local_prefill_threshold` tokens goes to its P (the seat held while it waits), else D's.
 3. P runs FCFS chunked prefill: each step takes up to the token budget from its seated requests in
    order; a step costs `CostModel.prefill_step`. When a prompt's last chunk ends, P samples the first
    token and the KV transfer finishes `exposed` seconds later (layer-by-layer sends overlap P's compute,
    so at least one layer's share is left).
 4. D's step: requests whose KV arrived join (their first token is streamed at the step's start), local
    prefill chunks fill the budget left by the decodes, and every running request gains one token; a
-   step costs `CostModel.mixed_step(batch, mean context, prefill tokens)`.
-Colocated workers are D workers that prefill everything themselves.
+   step costs `CostModel.mixed_step(batch, mean context, prefill tokens)`. Colocated workers are D
+   workers that prefill everything themselves.
 5. Optionally (`core_of`), workers sharing a CPU core (`tandem up` with more workers than cores) are
    processor-shared: while k are busy each step advances at 1/k speed, re-timed whenever one starts
    or stops (one step per event there). Real time-slicing loses more (docs/PLANNING.md).
@@ -69,17 +67,15 @@ class Worker:
         self.prefilling: deque[list] = deque()  # seated, prompt in progress: [id, tokens done, started_at]
         self.ready: list[int] = []  # KV arrived from P: join at the next step's start
         self.running: list[tuple[int, int]] = []  # heap of (step at whose end it finishes, id)
-        self.batch = 0
+        self.batch = self.seats_used = 0
         self.ctx_sum = 0  # sum over running of (context at step 0's reckoning): context = ctx_sum/batch + k
         self.k = 0  # steps completed
-        self.seats_used = 0
         self.busy = False
         self.chunks: list[tuple[list, int]] = []  # this step's prefill chunks: (entry, tokens)
         # The step in flight: its end event's seq (a re-planned end makes older ones stale), and, for a
         # run of identical decode steps done as one event, where it started, each step's length, how many.
-        self.end_seq = 0
+        self.end_seq, self.macro_m = 0, 1
         self.macro_start = self.macro_dt = 0.0
-        self.macro_m = 1
         self.core = -1  # workers with the same core >= 0 share one CPU core (-1: its own hardware)
         self.left = self.since = 0.0  # on a shared core: solo seconds left of this step, as of `since`
 
@@ -98,8 +94,7 @@ class SimResult:
 
 class Simulator:
     def __init__(self, cost: CostModel, prefill_workers: int, decode_workers: int, colocated: bool = False,
-                 local_prefill_threshold: int = 32, core_of: list[int] | None = None,
-                 local_if_busy: int = 0) -> None:
+                 local_prefill_threshold: int = 32, core_of: list[int] | None = None, local_if_busy: int = 0) -> None:
         if decode_workers < 1 or prefill_workers < 0 or (colocated and prefill_workers):
             raise ValueError(f"need >= 1 decode (or colocated) worker and no prefill worker when colocated, got "
                              f"{prefill_workers}P:{decode_workers}D{' colocated' if colocated else ''}")
