@@ -145,22 +145,29 @@ def own_cache(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, block_
 
 
 def sample_drafts(batch: list[tuple[Request, int]], logits: torch.Tensor, tokens: dict[str, list[int]],
-                  probs: dict[str, list[torch.Tensor]], vocab_size: int, generator: torch.Generator) -> None:
+                  probs: dict[str, list[torch.Tensor]], vocab_size: int, generator: torch.Generator,
+                  draft_ids: torch.Tensor | None = None) -> None:
     """Append one draft token per request of `batch` (row i of logits): the argmax for greedy requests,
-    else a draw from the request's filtered distribution, which is kept in `probs` for verification."""
-    if logits.shape[1] > vocab_size:
-        logits = logits[:, :vocab_size]
-    elif logits.shape[1] < vocab_size:
-        logits = torch.nn.functional.pad(logits, (0, vocab_size - logits.shape[1]), value=float("-inf"))
+    else a draw from the request's filtered distribution, which is kept in `probs` (over the target's
+    `vocab_size` tokens) for verification. With `draft_ids` (a draft vocabulary, tandem/models/eagle.py)
+    logits' columns are those target tokens only."""
+    width = vocab_size if draft_ids is None else len(draft_ids)
+    if logits.shape[1] > width:
+        logits = logits[:, :width]
+    elif logits.shape[1] < width:
+        logits = torch.nn.functional.pad(logits, (0, width - logits.shape[1]), value=float("-inf"))
     greedy = fused.argmax_rows(logits)
     for i, (r, _) in enumerate(batch):
         if r.params.greedy:
-            tokens[r.request_id].append(greedy[i])
+            tokens[r.request_id].append(greedy[i] if draft_ids is None else int(draft_ids[greedy[i]]))
             continue
         q = filter_logits(logits[i].float().cpu(), r.params)
         if r.generator is not None:  # drafts of a seeded request depend on its tokens alone (migration)
             r.generator.manual_seed(position_seed(r.params.seed, r.num_tokens + len(tokens[r.request_id]), 1))
-        tokens[r.request_id].append(int(torch.multinomial(q, 1, generator=r.generator or generator)))
+        drawn = int(torch.multinomial(q, 1, generator=r.generator or generator))
+        if draft_ids is not None:  # back to target ids; the target's other tokens were drafted with q = 0
+            drawn, q = int(draft_ids[drawn]), q.new_zeros(vocab_size).index_copy_(0, draft_ids, q)
+        tokens[r.request_id].append(drawn)
         probs[r.request_id].append(q)
 
 

@@ -8,7 +8,8 @@ real target states (`num_computed_tokens`) and the target states it has not cons
 by the engine after every forward pass: `observe`). One proposal of k tokens is k batched passes:
 
 1. catch-up: the head positions from `num_computed_tokens` to n-2, from real target states; its last
-   row's output (a predicted f[n-1]) gives the first draft token through the target's lm_head;
+   row's output (a predicted f[n-1]) gives the first draft token through the target's lm_head (or its
+   rows of the head's draft vocabulary);
 2. k-1 single-token passes, each feeding the previous draft token with the head's own predicted state.
 
 Drafted positions hold KV made from *predicted* states, so they are never kept: the next proposal
@@ -33,6 +34,7 @@ from plugins.draft_model import own_cache, paged_metadata, sample_drafts
 from plugins.eagle_fused import FusedDrafter
 from tandem.engine.model_runner import MAX_DECODE_QUERY_LEN
 from tandem.engine.request import Request
+from tandem.layers.linear import Linear
 from tandem.models.config import ModelConfig
 from tandem.models.eagle import load_head
 
@@ -42,6 +44,13 @@ if TYPE_CHECKING:
 # Target states held per request at most: a request that is not speculated for a long time (batch
 # above spec_max_batch, a long chunked prompt) would otherwise pile up [tokens, hidden] floats.
 MAX_HELD_STATES = 4096
+
+
+def rows_of(lm_head: Linear, ids: torch.Tensor) -> Linear:
+    """A Linear over lm_head's output rows `ids` only (the same values: the same C plan applies)."""
+    sub = Linear(lm_head.in_features, len(ids), bias=False, device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+    sub.weight = torch.nn.Parameter(lm_head.weight.detach()[ids.to(lm_head.weight.device)].clone(), requires_grad=False)
+    return sub
 
 
 @dataclass(slots=True)
@@ -73,8 +82,13 @@ class EagleRunner:
         self.num_recomputes = 0  # catch-ups whose target states had to be recomputed (see module doc)
         self.max_held_states = MAX_HELD_STATES
         # Greedy passes in one C call where it applies (propose); None: always the Python passes (tests compare).
-        self.fused: FusedDrafter | None = FusedDrafter(self.head, self.embed, target.model.lm_head, self.vocab_size,
-                                                       self.kv_caches, block_size)
+        # The head's logits: the target's lm_head, or its rows of the head's draft vocabulary (a copy, 1/4 of it
+        # on the shipped model: the head's lm_head was a third of a pass).
+        self.draft_ids = self.head.draft_ids
+        self.lm_head = target.model.lm_head if self.draft_ids is None else rows_of(target.model.lm_head, self.draft_ids)
+        self.fused: FusedDrafter | None = FusedDrafter(
+            self.head, self.embed, self.lm_head, self.vocab_size if self.draft_ids is None else len(self.draft_ids),
+            self.kv_caches, block_size, self.draft_ids)
 
     def release(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -121,8 +135,8 @@ class EagleRunner:
             passes = 0
         state = self._forward(feed, decode) if passes else None
         if state is not None:
-            sample_drafts(batch, self.target.model.compute_logits(state), tokens, probs, self.vocab_size,
-                          self.generator)
+            sample_drafts(batch, self.lm_head(state).float(), tokens, probs, self.vocab_size, self.generator,
+                          self.draft_ids)
             feed = [(r, tokens[r.request_id][-1:], state[i:i + 1], r.num_tokens - 1) for i, (r, _) in enumerate(batch)]
             if fused and passes > 1 and self._fused_passes(batch, feed, tokens, passes - 1):
                 passes = 1
@@ -132,8 +146,8 @@ class EagleRunner:
             live = [(r, k) for r, k in batch if k > step]
             feed = [(r, tokens[r.request_id][-1:], last[r.request_id], r.num_tokens - 2 + step) for r, _ in live]
             state = self._forward(feed, decode=True)
-            sample_drafts(live, self.target.model.compute_logits(state), tokens, probs, self.vocab_size,
-                          self.generator)
+            sample_drafts(live, self.lm_head(state).float(), tokens, probs, self.vocab_size, self.generator,
+                          self.draft_ids)
             last.update((r.request_id, state[i:i + 1]) for i, (r, _) in enumerate(live))
         for r, _ in batch:
             seq, n = self.seqs[r.request_id], r.num_tokens

@@ -28,8 +28,11 @@ class FusedDrafter:
     lm_head (shared), the head's per-layer paged caches."""
 
     def __init__(self, head, embed: torch.nn.Embedding, lm_head, vocab_size: int, kv_caches: list[torch.Tensor],
-                 block_size: int) -> None:
+                 block_size: int, draft_ids: torch.Tensor | None = None) -> None:
+        """lm_head: the head's logits over `vocab_size` columns; draft_ids: their target ids (a draft
+        vocabulary, tandem/models/eagle.py), or None where columns are target ids."""
         self.head, self.embed, self.lm_head = head, embed, lm_head
+        self.draft_ids = None if draft_ids is None else draft_ids.to(torch.int64).contiguous()
         self.vocab_size, self.kv_caches, self.block_size = vocab_size, kv_caches, block_size
         self._planned: tuple | None = None  # (the plans it was made from, ctypes args, scratch)
 
@@ -81,7 +84,8 @@ class FusedDrafter:
             structs, len(structs), ctypes.byref(fc), ctypes.byref(lm), self.vocab_size, embed.data_ptr(),
             embed.shape[0], rotary.cos.data_ptr(), rotary.sin.data_ptr(), rotary.cos.shape[0], caches,
             self.kv_caches[0].shape[0], self.block_size, table.data_ptr(), width, batch, rows // batch,
-            feed.data_ptr(), states.data_ptr(), start.data_ptr(), steps, drafts.data_ptr(), scratch.data_ptr(),
+            feed.data_ptr(), states.data_ptr(), start.data_ptr(), steps,
+            None if self.draft_ids is None else self.draft_ids.data_ptr(), drafts.data_ptr(), scratch.data_ptr(),
             torch.get_num_threads())
         # A refusal comes before its pass writes anything; the Python passes then redo them all (writing the
         # earlier passes' K/V again, identically) and meet the same problem with their own error.

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_spec_decode import ALPHA, _chi2_pvalue
 from test_speculative import check_clean, perturbed_copy, repeating_prompts
-from tiny_models import hf_greedy, make_checkpoint, make_eagle_head
+from tiny_models import assert_cli_refuses, hf_greedy, make_checkpoint, make_eagle_head
 
 from tandem import LLM, SamplingParams
 
@@ -178,19 +178,20 @@ def test_preemption_keeps_output_identical(shipped):
     check_clean(llm)
 
 
-@pytest.mark.parametrize("speculator", ["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("speculator", ["ngram", "draft_model", "eagle", "eagle-draft-vocab"])
 def test_sampled_tokens_follow_the_target_distribution(speculator, tmp_path):
     """The engine-level counterpart of test_spec_decode's rejection-sampling test, for every speculator:
     temperature 1, an 8-token vocabulary, 4000 seeded requests. Each samples its first token plainly,
     its second by verifying a sampled (draft_model, eagle) or deterministic (ngram) proposal; the
     (first, second) pairs must follow p(x) * p(y | x) of the target (chi-square over 64 cells,
-    alpha = 1e-3, fixed seeds)."""
+    alpha = 1e-3, fixed seeds). eagle-draft-vocab: a head drafting among 5 of the 8 tokens only."""
     path = make_checkpoint(str(tmp_path / "t"), "llama", vocab_size=8, initializer_range=0.3)
     draft = perturbed_copy(path, str(tmp_path / "d"), scale=0.3) if speculator == "draft_model" else None
     # A small scale: the head's distributions are broad (a near point mass would hide a wrong q).
-    head = make_eagle_head(str(tmp_path / "h"), path, scale=0.05) if speculator == "eagle" else None
-    prompt = [0, 5, 6, 7, 5, 6, 3]
-    n = 4000
+    head = make_eagle_head(str(tmp_path / "h"), path, scale=0.05, draft_ids=[0, 2, 3, 5, 6] if speculator.endswith(
+        "vocab") else None) if speculator.startswith("eagle") else None
+    speculator = speculator.removesuffix("-draft-vocab")
+    prompt, n = [0, 5, 6, 7, 5, 6, 3], 4000
     llm = LLM(path, num_kv_blocks=1024, max_model_len=64, max_num_seqs=512, spec_max_batch=512,
               speculator=speculator, draft_model=draft or head, num_speculative_tokens=2)
     outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=4, seed=s, ignore_eos=True)
@@ -228,8 +229,11 @@ def test_shipped_head_is_packaged_with_vllm_names():
     assert cfg["architectures"] == ["EagleLlamaForCausalLM"] and cfg["num_hidden_layers"] == 1
     with safe_open(str(head / "model.safetensors"), "pt") as f:
         names = set(f.keys())
-        assert all(f.get_tensor(k).dtype == torch.bfloat16 for k in names)
-    assert "fc.weight" in names and all(n == "fc.weight" or n.startswith("layers.0.") for n in names)
+        assert all(f.get_tensor(k).dtype == torch.bfloat16 for k in names - {"d2t"})
+        # its draft vocabulary, EAGLE-3's way: draft id i drafts target token i + d2t[i]
+        draft_ids = torch.arange(cfg["draft_vocab_size"]) + f.get_tensor("d2t")
+    assert cfg["draft_vocab_size"] == 1024 and bool((draft_ids[1:] > draft_ids[:-1]).all())
+    assert "fc.weight" in names and all(n in ("fc.weight", "d2t") or n.startswith("layers.0.") for n in names)
     assert "layers.0.input_layernorm.weight" not in names
     root = head.parents[2]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["tandem"]
@@ -253,11 +257,7 @@ def test_head_for_another_model_is_refused(tiny, tmp_path):
         LLM(path, num_kv_blocks=64, speculator="eagle")
     with pytest.raises(ValueError, match="not an EAGLE head"):  # a full checkpoint is not a head
         LLM(path, num_kv_blocks=64, speculator="eagle", draft_model=path)
-    cmd = [sys.executable, "-m", "tandem.cli", "generate", "--model", path, "--speculator", "eagle",
-           "--draft-model", wide, "--num-kv-blocks", "64", "hi"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert res.returncode == 2 and len(lines) == 1 and "hidden_size 128" in lines[0], res.stderr
+    assert_cli_refuses(path, wide, "hidden_size 128")
 
 
 def test_disaggregated_decode_worker_drafts_with_eagle(shipped, tmp_path):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -95,9 +97,11 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
     return outs
 
 
-def make_eagle_head(path: str, target: str, seed: int = 0, scale: float = 0.1, **overrides) -> str:
+def make_eagle_head(path: str, target: str, seed: int = 0, scale: float = 0.1,
+                    draft_ids: list[int] | None = None, **overrides) -> str:
     """A random EAGLE head (vLLM names: fc.weight, layers.0.*; no input_layernorm) for the target
-    checkpoint at `target`; `overrides` change its config (e.g. a wrong hidden_size)."""
+    checkpoint at `target`; `overrides` change its config (e.g. a wrong hidden_size). draft_ids: a draft
+    vocabulary (EAGLE-3's d2t offsets and draft_vocab_size) of those target ids."""
     from safetensors.torch import save_file
 
     with open(os.path.join(target, "config.json")) as f:
@@ -118,11 +122,23 @@ def make_eagle_head(path: str, target: str, seed: int = 0, scale: float = 0.1, *
                "layers.0.post_attention_layernorm.weight": torch.ones(hid),
                mlp + "gate_proj.weight": rand(inter, hid), mlp + "up_proj.weight": rand(inter, hid),
                mlp + "down_proj.weight": rand(hid, inter)}
+    if draft_ids is not None:
+        cfg.setdefault("draft_vocab_size", len(draft_ids))
+        weights["d2t"] = torch.tensor(draft_ids, dtype=torch.int64) - torch.arange(len(draft_ids))
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     save_file(weights, os.path.join(path, "model.safetensors"))
     return path
+
+
+def assert_cli_refuses(target: str, head: str, needle: str) -> None:
+    """`tandem generate` with that EAGLE head exits 2 with one line that says `needle`."""
+    cmd = [sys.executable, "-m", "tandem.cli", "generate", "--model", target, "--speculator", "eagle",
+           "--draft-model", head, "--num-kv-blocks", "64", "hi"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and needle in lines[0], res.stderr
 
 
 def set_chat_template(path: str, template: str) -> str:

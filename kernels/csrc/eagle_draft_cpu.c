@@ -34,7 +34,9 @@ int64_t tandem_eagle_draft_scratch(const tandem_layer_t *layers, int32_t num_lay
  * feeding the previous pass's draft token and its output state at the next position. A pass is
  * fc(concat(embed[token], state)) -> the layers (K/V into the head's paged caches) -> lm_head on each
  * sequence's last row, whose first maximum over the logits' first `vocab` columns is the pass's draft:
- * drafts [B, steps] int64. tables [B, table_stride] int32; caches[l] as the fused layer takes them;
+ * drafts [B, steps] int64. With a draft vocabulary (lm_head's rows are a subset of the target's
+ * vocabulary) `to_target` [vocab] maps a column to its target token id, which is what is drafted and fed
+ * to the next pass; NULL: columns are target ids. tables [B, table_stride] int32; caches[l] as the fused layer takes them;
  * cos/sin [max_pos, D]. Returns 0, or before the failing pass writes anything: -1 for a bad shape (B * Q
  * outside 1..MAX_ROWS, a linear refused), -2 for a position, block or token out of range, -3 if attention
  * refused. */
@@ -43,7 +45,8 @@ int tandem_eagle_draft_f32(const tandem_layer_t *layers, int32_t num_layers, con
                            const float *cos, const float *sin, int64_t max_pos, float *const *caches,
                            int64_t num_blocks, int32_t BS, const int32_t *tables, int64_t table_stride, int32_t B,
                            int32_t Q, const int64_t *in_tokens, const float *in_states, const int64_t *start_pos,
-                           int32_t steps, int64_t *drafts, float *scratch, int num_threads) {
+                           int32_t steps, const int64_t *to_target, int64_t *drafts, float *scratch,
+                           int num_threads) {
     if (B < 1 || Q < 1 || (int64_t)B * Q > MAX_ROWS || num_layers < 1) return -1;
     const int64_t hidden = layers[0].o.out_features, D = layers[0].head_dim, V = lm_head->out_features;
     const int64_t cols = vocab < V ? vocab : V;
@@ -87,7 +90,7 @@ int tandem_eagle_draft_f32(const tandem_layer_t *layers, int32_t num_layers, con
         } else {
             for (int32_t b = 0; b < B; b++) tandem_argmax_f32(logits + b * V, 1, cols, best + b, num_threads);
         }
-        for (int32_t b = 0; b < B; b++) drafts[b * steps + s] = best[b];
+        for (int32_t b = 0; b < B; b++) drafts[b * steps + s] = to_target ? to_target[best[b]] : best[b];
     }
     return 0;
 }
