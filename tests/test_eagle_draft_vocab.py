@@ -1,12 +1,8 @@
 """An EAGLE head's draft vocabulary (EAGLE-3's `d2t`, tandem/models/eagle.py): every draft is one of its
 tokens, in the C draft loop and in the Python passes alike, greedy output stays the target's; a map that
 is not one (out of the vocabulary, out of order, the wrong length) is refused at start with a message
-naming it; the training tool picks the most frequent tokens. (Sampled output's distribution under a draft
-vocabulary: test_eagle.py's chi-square test, `eagle-draft-vocab`.)"""
-
-import json
-import sys
-from pathlib import Path
+naming it. (Sampled output's distribution under a draft vocabulary: test_eagle.py's chi-square test,
+`eagle-draft-vocab`; how tools/train_eagle.py picks one: test_train_eagle.py.)"""
 
 import pytest
 import torch
@@ -16,8 +12,6 @@ from tiny_models import assert_cli_refuses, hf_greedy, make_checkpoint, make_eag
 from tandem import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow  # real models: deselected by -m 'not slow'
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def spy_on_drafts(runner) -> list[int]:
@@ -82,21 +76,3 @@ def test_a_bad_draft_vocabulary_is_refused_at_start(target, tmp_path, draft_ids,
     with pytest.raises(ValueError, match=message):
         LLM(target, num_kv_blocks=64, speculator="eagle", draft_model=head)
     assert_cli_refuses(target, head, "d2t")
-
-
-def test_the_training_tool_picks_the_most_frequent_tokens_and_exports_them(tmp_path):
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        from train_eagle import draft_vocab, export
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
-    data = torch.tensor([[7, 7, 7, 2, 2, 9], [9, 9, 9, 9, 1, 3]])
-    ids = draft_vocab(data, 16, 3)
-    assert ids.tolist() == [2, 7, 9]  # counts 9: 5, 7: 3, 2: 2 (1 and 3 once), ascending
-    target = ROOT / "tandem" / "assets" / "tiny-target"
-    export({"fc.weight": torch.ones(2, 2)}, target, tmp_path, ids)
-    from safetensors.torch import load_file
-
-    cfg, sd = json.loads((tmp_path / "config.json").read_text()), load_file(str(tmp_path / "model.safetensors"))
-    assert cfg["draft_vocab_size"] == 3 and (torch.arange(3) + sd["d2t"]).tolist() == [2, 7, 9]
-    assert sd["fc.weight"].dtype == torch.bfloat16

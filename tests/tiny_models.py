@@ -81,8 +81,9 @@ def make_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides) 
     return path
 
 
-def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers greedy continuation of each prompt (one at a time: no padding effects)."""
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int, **generate_options) -> list[list[int]]:
+    """transformers greedy continuation of each prompt (one at a time: no padding effects); generate_options
+    override the checkpoint's generation_config (e.g. repetition_penalty=1.0)."""
     import transformers as tf
 
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -92,7 +93,7 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
             ids = torch.tensor([p])
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                 eos_token_id=None, pad_token_id=0)
+                                 eos_token_id=None, pad_token_id=0, **generate_options)
             outs.append(gen[0, len(p):].tolist())
     return outs
 
