@@ -30,7 +30,7 @@ def test_the_library_builds_here():
     assert get_ops("cpu") is NATIVE_CPU_OPS
 
 
-@pytest.mark.parametrize("h,hkv,d", [(8, 2, 64), (8, 4, 32), (4, 4, 128), (6, 1, 16)])
+@pytest.mark.parametrize("h,hkv,d", [(8, 2, 64), (8, 4, 32), (8, 2, 32), (4, 4, 128), (6, 1, 16)])
 @pytest.mark.parametrize("q_len", [1, 4])
 @pytest.mark.parametrize("window", [None, 40, 7])
 @pytest.mark.parametrize("bs", [16, 8])

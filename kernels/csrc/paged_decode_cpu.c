@@ -49,6 +49,65 @@ static inline float dot(const float *q, const float *k, const int D) {
     return hsum8(s0 + s1);
 }
 
+/* max(init, x[a..b)) and the sum of x[a..b), 8 lanes at a time: as plain loops GCC keeps them one serial
+ * chain of scalar max / add instructions (the sum's `omp simd reduction` included), which was a quarter of
+ * this kernel's time (perf, 5 query rows). */
+static inline float max_from(const float *x, int a, int b, float init) {
+    float mx = init;
+    int t = a;
+#if defined(__AVX__)
+    if (b - a >= 8) {
+        __m256 v = _mm256_loadu_ps(x + a);
+        for (t = a + 8; t + 8 <= b; t += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + t));
+        __m128 w = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        w = _mm_max_ps(w, _mm_movehl_ps(w, w));
+        w = _mm_max_ss(w, _mm_movehdup_ps(w));
+        const float lanes = _mm_cvtss_f32(w);
+        mx = lanes > mx ? lanes : mx;
+    }
+#endif
+    for (; t < b; t++) mx = x[t] > mx ? x[t] : mx;
+    return mx;
+}
+
+static inline float sum_of(const float *x, int a, int b) {
+    vec8 v = {0};
+    int t = a;
+    for (; t + 8 <= b; t += 8) v += load8(x + t);
+    float sum = hsum8(v);
+    for (; t < b; t++) sum += x[t];
+    return sum;
+}
+
+/* acc [G, CH * 8] += sum over keys t in [a, b) of p[h][t] * v[t] (p rows BS apart, v rows ks apart), with the
+ * G x CH accumulators held in registers for the whole key loop: per key, G broadcasts and CH value loads
+ * feed G x CH FMAs, where a slice at a time loads the key's value slice again for every head. */
+static inline __attribute__((always_inline)) void pv_tile(float *acc, const float *p, const float *v, int64_t ks,
+                                                          int a, int b, int BS, const int G, const int CH) {
+    vec8 r[16];
+    for (int i = 0; i < G * CH; i++) r[i] = load8(acc + 8 * i);
+    for (int t = a; t < b; t++) {
+        const float *vt = v + t * ks;
+        for (int h = 0; h < G; h++) {
+            const float w = p[h * BS + t];
+            for (int c = 0; c < CH; c++) r[h * CH + c] += w * load8(vt + 8 * c);
+        }
+    }
+    for (int i = 0; i < G * CH; i++) memcpy(acc + 8 * i, &r[i], sizeof r[i]);
+}
+
+/* pv_tile for the shapes whose accumulators fit in registers (G query heads per KV head, CH = head_dim / 8);
+ * 0 where they do not (the caller then works a slice at a time). */
+static inline __attribute__((always_inline)) int pv_in_registers(float *acc, const float *p, const float *v,
+                                                                 int64_t ks, int a, int b, int BS, int G, const int CH) {
+#define PV(g) case g: if ((g) * CH > 16) return 0; pv_tile(acc, p, v, ks, a, b, BS, g, CH); return 1;
+    switch (G) {
+    PV(1) PV(2) PV(4)
+    default: return 0;
+    }
+#undef PV
+}
+
 /* out[t] = scale * (q . k_t) for the 8 keys k_t = k0 + t * stride: eight vector accumulators reduced
  * together, a transpose by pairwise adds, instead of eight horizontal sums. */
 static inline void dots8(const float *q, const float *k0, int64_t stride, const int D, float scale, float *out) {
@@ -124,13 +183,10 @@ static inline __attribute__((always_inline)) void attend(
                     for (; t < b; t++) s[h * BS + t] = dot(qh, kb + t * ks, D) * scale;
                 }
                 for (int h = 0; h < G; h++) { /* online softmax: rescale what was summed under an older max */
-                    float *sh = s + h * BS, mx = m[r0 + h], sum = 0.f;
-                    for (int t = a; t < b; t++) mx = sh[t] > mx ? sh[t] : mx;
-#pragma omp simd reduction(+ : sum)
-                    for (int t = a; t < b; t++) {
-                        sh[t] = exp_approx(sh[t] - mx);
-                        sum += sh[t];
-                    }
+                    float *sh = s + h * BS, mx = max_from(sh, a, b, m[r0 + h]);
+#pragma omp simd
+                    for (int t = a; t < b; t++) sh[t] = exp_approx(sh[t] - mx);
+                    const float sum = sum_of(sh, a, b);
                     const int r = r0 + h;
                     if (mx != m[r]) {
                         float corr = m[r] == -INFINITY ? 0.f : exp_approx(m[r] - mx);
@@ -142,21 +198,22 @@ static inline __attribute__((always_inline)) void attend(
                     }
                     l[r] += sum;
                 }
-                /* acc[h] += sum_t p[h][t] v[t], one 8-wide slice at a time held in registers (acc in
-                 * memory inside the t loop would chain every update through a store and a load) */
-                for (int c = 0; c < chunks; c++)
-                    for (int h = 0; h < G; h++) {
-                        const float *ph = s + h * BS, *v = vb + 8 * c;
-                        vec8 a0 = load8(acc0 + h * D + 8 * c), a1 = {0};
-                        int t = a;
-                        for (; t + 1 < b; t += 2) {
-                            a0 += ph[t] * load8(v + t * ks);
-                            a1 += ph[t + 1] * load8(v + (t + 1) * ks);
+                /* acc[h] += sum_t p[h][t] v[t]: all G heads' accumulators in registers where they fit, so each
+                 * value row is loaded once for the G heads (else one 8-wide slice at a time) */
+                if (!pv_in_registers(acc0, s, vb, ks, a, b, BS, G, D / 8))
+                    for (int c = 0; c < chunks; c++)
+                        for (int h = 0; h < G; h++) {
+                            const float *ph = s + h * BS, *v = vb + 8 * c;
+                            vec8 a0 = load8(acc0 + h * D + 8 * c), a1 = {0};
+                            int t = a;
+                            for (; t + 1 < b; t += 2) {
+                                a0 += ph[t] * load8(v + t * ks);
+                                a1 += ph[t + 1] * load8(v + (t + 1) * ks);
+                            }
+                            if (t < b) a0 += ph[t] * load8(v + t * ks);
+                            a0 += a1;
+                            memcpy(acc0 + h * D + 8 * c, &a0, sizeof a0);
                         }
-                        if (t < b) a0 += ph[t] * load8(v + t * ks);
-                        a0 += a1;
-                        memcpy(acc0 + h * D + 8 * c, &a0, sizeof a0);
-                    }
             }
         }
     }
