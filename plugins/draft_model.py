@@ -156,6 +156,14 @@ def sample_drafts(batch: list[tuple[Request, int]], logits: torch.Tensor, tokens
         logits = logits[:, :width]
     elif logits.shape[1] < width:
         logits = torch.nn.functional.pad(logits, (0, width - logits.shape[1]), value=float("-inf"))
+    if any(r.params.repetition_penalty != 1.0 for r, _ in batch):
+        logits = logits.clone()
+        for i, (r, _) in enumerate(batch):
+            cols = seen_columns(r, tokens[r.request_id], draft_ids)
+            if r.params.repetition_penalty != 1.0 and len(cols):
+                vals = logits[i, cols]
+                logits[i, cols] = torch.where(vals > 0, vals / r.params.repetition_penalty,
+                                              vals * r.params.repetition_penalty)
     greedy = fused.argmax_rows(logits)
     for i, (r, _) in enumerate(batch):
         if r.params.greedy:
@@ -169,6 +177,21 @@ def sample_drafts(batch: list[tuple[Request, int]], logits: torch.Tensor, tokens
             drawn, q = int(draft_ids[drawn]), q.new_zeros(vocab_size).index_copy_(0, draft_ids, q)
         tokens[r.request_id].append(drawn)
         probs[r.request_id].append(q)
+
+
+def seen_columns(req: Request, drafted: list[int], draft_ids: torch.Tensor | None) -> torch.Tensor:
+    """The logit columns of the tokens req has seen (prompt, output, drafts so far), distinct: what the
+    target's repetition penalty scales when it verifies, so drafts that track it are accepted more often
+    (the shipped model serves with repetition_penalty 1.2). With a draft vocabulary (ascending target
+    ids), its columns of those tokens."""
+    seen = torch.frombuffer(req.token_array(), dtype=torch.int64)
+    if drafted:
+        seen = torch.cat([seen, torch.tensor(drafted, dtype=torch.int64)])
+    seen = torch.unique(seen)
+    if draft_ids is None:
+        return seen
+    col = torch.searchsorted(draft_ids, seen).clamp_(max=len(draft_ids) - 1)
+    return col[draft_ids[col] == seen]
 
 
 def paged_metadata(spans: list[tuple[list[int], int, int]], decode: bool, ops, kv_caches: list[torch.Tensor],

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import get_ops
-from plugins.draft_model import own_cache, paged_metadata, sample_drafts
+from plugins.draft_model import own_cache, paged_metadata, sample_drafts, seen_columns
 from plugins.eagle_fused import FusedDrafter
 from tandem.engine.model_runner import MAX_DECODE_QUERY_LEN
 from tandem.engine.request import Request
@@ -163,9 +163,15 @@ class EagleRunner:
         """Run `steps` greedy passes from feed (as _forward takes it, equal lengths) in one C call and append
         their drafts; False (nothing appended) where the C loop does not apply."""
         assert self.fused is not None
+        penalties = None
+        if any(r.params.repetition_penalty != 1.0 for r, _ in batch):  # drafts follow the penalized argmax
+            marks = torch.zeros((len(batch), self.fused.vocab_size), dtype=torch.uint8)
+            for i, (r, _) in enumerate(batch):
+                marks[i, seen_columns(r, tokens[r.request_id], self.draft_ids)] = 1
+            penalties = ([r.params.repetition_penalty for r, _ in batch], marks)
         drafted = self.fused.draft([t for _, toks, _, _ in feed for t in toks], torch.cat([f for _, _, f, _ in feed]),
                                    [start for _, _, _, start in feed],
-                                   [self.seqs[r.request_id].block_ids for r, _ in batch], steps)
+                                   [self.seqs[r.request_id].block_ids for r, _ in batch], steps, penalties)
         for (r, _), more in zip(batch, drafted or ()):
             tokens[r.request_id].extend(more)
         return drafted is not None

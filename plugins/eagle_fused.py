@@ -61,10 +61,12 @@ class FusedDrafter:
                 and all(layer.self_attn.q_norm is None for layer in self.head.layers))
 
     def draft(self, tokens: list[int], states: torch.Tensor, start_pos: list[int], tables: list[list[int]],
-              steps: int) -> list[list[int]] | None:
+              steps: int, penalties: tuple[list[float], torch.Tensor] | None = None) -> list[list[int]] | None:
         """`steps` greedy drafts for each of B requests: a first pass over Q = len(tokens) // B rows each (row
         q of request b feeds tokens[b * Q + q] with states[b * Q + q] at position start_pos[b] + q), then
-        single-token passes; None where the C loop does not apply."""
+        single-token passes; None where the C loop does not apply. penalties: each request's repetition
+        penalty and a uint8 [B, vocab_size] mark of the logit columns it applies to (its tokens so far;
+        the C loop marks each draft), so drafts follow the penalized argmax that verification takes."""
         lib = native_cpu.library()
         batch = len(start_pos)
         rows = len(tokens)
@@ -79,14 +81,19 @@ class FusedDrafter:
         feed = torch.tensor(tokens, dtype=torch.int64)
         start = torch.tensor(start_pos, dtype=torch.int64)
         drafts = torch.empty((batch, steps), dtype=torch.int64)
+        if penalties is not None:
+            rep = torch.tensor(penalties[0], dtype=torch.float32)
+            if penalties[1].shape != (batch, self.vocab_size) or penalties[1].dtype != torch.uint8:
+                raise ValueError(f"penalty marks {tuple(penalties[1].shape)} for {batch} x {self.vocab_size} columns")
         rotary, embed = self.head.rotary, self.embed.weight
         rc = lib.tandem_eagle_draft_f32(
             structs, len(structs), ctypes.byref(fc), ctypes.byref(lm), self.vocab_size, embed.data_ptr(),
             embed.shape[0], rotary.cos.data_ptr(), rotary.sin.data_ptr(), rotary.cos.shape[0], caches,
             self.kv_caches[0].shape[0], self.block_size, table.data_ptr(), width, batch, rows // batch,
             feed.data_ptr(), states.data_ptr(), start.data_ptr(), steps,
-            None if self.draft_ids is None else self.draft_ids.data_ptr(), drafts.data_ptr(), scratch.data_ptr(),
-            torch.get_num_threads())
+            None if self.draft_ids is None else self.draft_ids.data_ptr(),
+            None if penalties is None else rep.data_ptr(), None if penalties is None else penalties[1].data_ptr(),
+            drafts.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
         # A refusal comes before its pass writes anything; the Python passes then redo them all (writing the
         # earlier passes' K/V again, identically) and meet the same problem with their own error.
         return drafts.tolist() if rc == 0 else None

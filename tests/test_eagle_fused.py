@@ -15,7 +15,7 @@ from tandem import LLM, SamplingParams
 pytestmark = pytest.mark.slow  # real models: deselected by -m 'not slow'
 
 
-def run(llm: LLM, prompts: list[list[int]], fused: bool, max_tokens: int, batch: int) -> tuple:
+def run(llm: LLM, prompts: list[list[int]], fused: bool, max_tokens: int, batch: int, penalty: float = 1.0) -> tuple:
     """(outputs, every proposal in order, the head's K/V after each, how many C calls drafted)."""
     runner = llm.engine.speculator.runner
     drafter = runner.fused
@@ -44,7 +44,7 @@ def run(llm: LLM, prompts: list[list[int]], fused: bool, max_tokens: int, batch:
 
     runner.propose, drafter.draft = spy_propose, spy_draft
     try:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, repetition_penalty=penalty)
         outs = []
         for first in range(0, len(prompts), batch):
             outs += [o.token_ids for o in llm.generate(prompts[first:first + batch], params)]
@@ -55,12 +55,12 @@ def run(llm: LLM, prompts: list[list[int]], fused: bool, max_tokens: int, batch:
     return outs, proposals, kv, calls[0]
 
 
-def check_same(llm: LLM, prompts: list[list[int]], max_tokens: int, batch: int) -> int:
+def check_same(llm: LLM, prompts: list[list[int]], max_tokens: int, batch: int, penalty: float = 1.0) -> int:
     # Once first, so that both runs below hit the prefix cache alike: a prompt's tail recomputed after a hit
     # gives the target's hidden states (the head's input) in other bits than a whole-prompt prefill.
-    run(llm, prompts, False, max_tokens, batch)
-    outs, proposals, caches, calls = run(llm, prompts, True, max_tokens, batch)
-    ref_outs, ref_proposals, ref_caches, ref_calls = run(llm, prompts, False, max_tokens, batch)
+    run(llm, prompts, False, max_tokens, batch, penalty)
+    outs, proposals, caches, calls = run(llm, prompts, True, max_tokens, batch, penalty)
+    ref_outs, ref_proposals, ref_caches, ref_calls = run(llm, prompts, False, max_tokens, batch, penalty)
     assert ref_calls == 0 and outs == ref_outs
     assert proposals == ref_proposals  # every draft of every step
     assert len(caches) == len(ref_caches) and all(  # drafted positions' K/V included
@@ -79,6 +79,24 @@ def test_batch_one_drafts_every_pass_in_c_as_python_does(shipped_llm):
     calls = check_same(llm, prompts, 48, batch=1)
     stats = llm.engine.speculator_stats()
     assert stats["num_accepted_tokens"] > 0 and calls >= 4 * 48 // 5  # nearly every proposal, not a fallback
+
+
+def test_repetition_penalty_drafts_the_same_in_c_and_python_and_is_applied(shipped_llm):
+    """The shipped model serves with repetition_penalty 1.2: drafts follow the penalized argmax (the C loop
+    scales the seen columns and marks each draft; the Python passes alike), bitwise the same drafts; and a
+    column the penalty scales far down is not drafted."""
+    llm, prompts = shipped_llm
+    assert check_same(llm, prompts, 40, batch=2, penalty=1.2) > 0
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.2)
+    alone = [o.token_ids for o in LLM(max_model_len=512).generate(prompts, params)]  # no speculation
+    assert run(llm, prompts, True, 40, 2, penalty=1.2)[0] == alone
+    runner = llm.engine.speculator.runner
+    states = torch.randn(2, runner.head.config.hidden_size)
+    base = runner.fused.draft([5, 6], states, [0], [[0]], 3)
+    marks = torch.zeros((1, runner.fused.vocab_size), dtype=torch.uint8)
+    marks[0, torch.searchsorted(runner.draft_ids, torch.tensor(base[0][0]))] = 1  # the first draft's column
+    again = runner.fused.draft([5, 6], states, [0], [[0]], 3, ([1e6], marks))
+    assert again[0][0] != base[0][0]  # a token the penalty scales far down is not drafted
 
 
 def test_batch_with_unequal_catch_ups_drafts_the_same(shipped_llm):

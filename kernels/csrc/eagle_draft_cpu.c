@@ -12,6 +12,7 @@
  *
  * The caller (plugins/eagle_fused.py) checks what the fused layer checks (fp32, contiguous, native ops)
  * and hands every request's head block table; this file checks each block a pass reads or writes. */
+#include <stdint.h>
 #include <string.h>
 
 #include "decode_layer.h"
@@ -36,7 +37,10 @@ int64_t tandem_eagle_draft_scratch(const tandem_layer_t *layers, int32_t num_lay
  * sequence's last row, whose first maximum over the logits' first `vocab` columns is the pass's draft:
  * drafts [B, steps] int64. With a draft vocabulary (lm_head's rows are a subset of the target's
  * vocabulary) `to_target` [vocab] maps a column to its target token id, which is what is drafted and fed
- * to the next pass; NULL: columns are target ids. tables [B, table_stride] int32; caches[l] as the fused layer takes them;
+ * to the next pass; NULL: columns are target ids. With `rep_penalty` [B] (NULL: none) sequence b's logits of
+ * the columns marked in seen [B, cols] (its prompt and output tokens) are divided by rep_penalty[b] where
+ * positive, else multiplied by it, as the target's repetition penalty treats them when it verifies; each
+ * pass marks its draft, which the next passes then see too. tables [B, table_stride] int32; caches[l] as the fused layer takes them;
  * cos/sin [max_pos, D]. Returns 0, or before the failing pass writes anything: -1 for a bad shape (B * Q
  * outside 1..MAX_ROWS, a linear refused), -2 for a position, block or token out of range, -3 if attention
  * refused. */
@@ -45,8 +49,8 @@ int tandem_eagle_draft_f32(const tandem_layer_t *layers, int32_t num_layers, con
                            const float *cos, const float *sin, int64_t max_pos, float *const *caches,
                            int64_t num_blocks, int32_t BS, const int32_t *tables, int64_t table_stride, int32_t B,
                            int32_t Q, const int64_t *in_tokens, const float *in_states, const int64_t *start_pos,
-                           int32_t steps, const int64_t *to_target, int64_t *drafts, float *scratch,
-                           int num_threads) {
+                           int32_t steps, const int64_t *to_target, const float *rep_penalty, uint8_t *seen,
+                           int64_t *drafts, float *scratch, int num_threads) {
     if (B < 1 || Q < 1 || (int64_t)B * Q > MAX_ROWS || num_layers < 1) return -1;
     const int64_t hidden = layers[0].o.out_features, D = layers[0].head_dim, V = lm_head->out_features;
     const int64_t cols = vocab < V ? vocab : V;
@@ -85,12 +89,23 @@ int tandem_eagle_draft_f32(const tandem_layer_t *layers, int32_t num_layers, con
         for (int32_t b = 0; b < B; b++) /* each sequence's last row: its next state and its logits */
             memcpy(last + b * hidden, y + ((int64_t)b * q_len + q_len - 1) * hidden, sizeof(float) * hidden);
         if (tandem_run_linear(lm_head, last, logits, B, num_threads)) return -1;
+        for (int32_t b = 0; rep_penalty && b < B; b++) {
+            const float p = rep_penalty[b];
+            float *row = logits + b * V;
+            const uint8_t *mark = seen + b * cols;
+            if (p != 1.f)
+                for (int64_t j = 0; j < cols; j++)
+                    if (mark[j]) row[j] = row[j] > 0.f ? row[j] / p : row[j] * p;
+        }
         if (cols == V) {
             tandem_argmax_f32(logits, B, V, best, num_threads);
         } else {
             for (int32_t b = 0; b < B; b++) tandem_argmax_f32(logits + b * V, 1, cols, best + b, num_threads);
         }
-        for (int32_t b = 0; b < B; b++) drafts[b * steps + s] = to_target ? to_target[best[b]] : best[b];
+        for (int32_t b = 0; b < B; b++) {
+            drafts[b * steps + s] = to_target ? to_target[best[b]] : best[b];
+            if (rep_penalty) seen[b * cols + best[b]] = 1;
+        }
     }
     return 0;
 }
