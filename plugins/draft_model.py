@@ -21,6 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from kernels import fused, get_ops
 from plugins.eviction import LRUEviction
 from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.logits_processors import scale_repeated
 from tandem.engine.model_runner import position_seed
 from tandem.engine.request import Request
 from tandem.engine.sampler import filter_logits
@@ -156,14 +157,12 @@ def sample_drafts(batch: list[tuple[Request, int]], logits: torch.Tensor, tokens
         logits = logits[:, :width]
     elif logits.shape[1] < width:
         logits = torch.nn.functional.pad(logits, (0, width - logits.shape[1]), value=float("-inf"))
-    if any(r.params.repetition_penalty != 1.0 for r, _ in batch):
+    penalized = [(i, r) for i, (r, _) in enumerate(batch) if r.params.repetition_penalty != 1.0]
+    if penalized:  # as verification will (see seen_columns)
         logits = logits.clone()
-        for i, (r, _) in enumerate(batch):
+        for i, r in penalized:
             cols = seen_columns(r, tokens[r.request_id], draft_ids)
-            if r.params.repetition_penalty != 1.0 and len(cols):
-                vals = logits[i, cols]
-                logits[i, cols] = torch.where(vals > 0, vals / r.params.repetition_penalty,
-                                              vals * r.params.repetition_penalty)
+            logits[i, cols] = scale_repeated(logits[i, cols], r.params.repetition_penalty)
     greedy = fused.argmax_rows(logits)
     for i, (r, _) in enumerate(batch):
         if r.params.greedy:

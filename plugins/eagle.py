@@ -167,7 +167,8 @@ class EagleRunner:
         if any(r.params.repetition_penalty != 1.0 for r, _ in batch):  # drafts follow the penalized argmax
             marks = torch.zeros((len(batch), self.fused.vocab_size), dtype=torch.uint8)
             for i, (r, _) in enumerate(batch):
-                marks[i, seen_columns(r, tokens[r.request_id], self.draft_ids)] = 1
+                if r.params.repetition_penalty != 1.0:
+                    marks[i, seen_columns(r, tokens[r.request_id], self.draft_ids)] = 1
             penalties = ([r.params.repetition_penalty for r, _ in batch], marks)
         drafted = self.fused.draft([t for _, toks, _, _ in feed for t in toks], torch.cat([f for _, _, f, _ in feed]),
                                    [start for _, _, _, start in feed],

@@ -73,7 +73,7 @@ def _penalize(rows: torch.Tensor, reqs: list[Any], pen: list[int], extra: list[l
     r_idx, t_idx = row_of[owner].to(dev), flat.to(dev)
     vals = rows[r_idx, t_idx]
     f = rep[owner].to(dev)
-    rows[r_idx, t_idx] = torch.where(vals > 0, vals / f, vals * f)
+    rows[r_idx, t_idx] = scale_repeated(vals, f)
     # frequency and presence: once per distinct output token, with its count
     if bool((freq != 0).any() or (pres != 0).any()) and bool(is_output.any()):
         keys, counts = torch.unique((owner * vocab + flat)[is_output], return_counts=True)
@@ -81,6 +81,12 @@ def _penalize(rows: torch.Tensor, reqs: list[Any], pen: list[int], extra: list[l
         r_idx, t_idx = row_of[who].to(dev), tok.to(dev)
         vals = rows[r_idx, t_idx] - (freq[who] * counts.to(rows.dtype)).to(dev)
         rows[r_idx, t_idx] = vals - pres[who].to(dev)
+
+
+def scale_repeated(logits: torch.Tensor, penalty: torch.Tensor | float) -> torch.Tensor:
+    """The repetition penalty on the logits of tokens already seen: positive ones divided by it, the
+    rest multiplied (CTRL's rule, as vLLM and transformers apply it). Speculators' drafts apply it too."""
+    return torch.where(logits > 0, logits / penalty, logits * penalty)
 
 
 def _penalized(params: Any) -> bool:
