@@ -95,7 +95,14 @@ fi
 
 say "building $IMAGE with $engine on $base"
 t0=$SECONDS
+previous=$("$engine" image inspect "$IMAGE" --format '{{.Id}}' 2>/dev/null || true)
 "$engine" build -f "$ROOT/deploy/Dockerfile" -t "$IMAGE" "${args[@]}" "$ROOT"
+# The image this build replaced is untagged now; each holds its own ~1 GB copy of the venv, so a
+# rebuild per code change would fill the disk. rmi refuses (harmlessly) while a container uses it.
+current=$("$engine" image inspect "$IMAGE" --format '{{.Id}}')
+if [ -n "$previous" ] && [ "$previous" != "$current" ]; then
+  "$engine" rmi "$previous" >/dev/null 2>&1 && say "removed the image it replaced (${previous:0:12})" || true
+fi
 size=$("$engine" image inspect "$IMAGE" --format '{{.Size}}')
 say "built $IMAGE in $((SECONDS - t0)) s; size $((size / 1000000)) MB"
 echo "$IMAGE $size"
