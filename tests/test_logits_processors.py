@@ -62,6 +62,40 @@ def test_batched_processor_equals_per_row_reference():
         logits_processors.process(rows[:1], plain), rows[:1])  # untouched rows stay as they were
 
 
+def test_native_penalty_pass_equals_torch_bit_for_bit(monkeypatch):
+    """kernels/csrc/penalty_cpu.c against the torch pass it replaces on the CPU: the same floats, for
+    repeated tokens, speculative rows, every penalty sign, logits at 0 and +-inf; an out-of-vocabulary
+    token is an IndexError either way, with nothing written."""
+    from kernels import native_cpu
+
+    if native_cpu.library() is None:
+        pytest.fail("no native CPU library: the C pass cannot be compared (a C compiler is a test dependency)")
+    rng, vocab = random.Random(1), 97
+    reqs, extras = [], []
+    for i in range(40):
+        params = SamplingParams(max_tokens=50, presence_penalty=rng.choice([0.0, 0.5, -1.25]),
+                                frequency_penalty=rng.choice([0.0, 0.3, -1.7]),
+                                repetition_penalty=rng.choice([1.0, 1.2, 0.7, 1.9]))
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+        output = [rng.choice(prompt + [rng.randrange(vocab)]) for _ in range(rng.randint(0, 25))]
+        reqs.append(FakeRequest(prompt, output, params))
+        extras.append([rng.randrange(vocab) for _ in range(rng.randint(0, 4))])
+    rows = torch.randn(40, vocab) * 7
+    rows[:, :5] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-30])
+    native = logits_processors.process(rows, reqs, extras)
+    with monkeypatch.context() as m:
+        m.setattr(logits_processors, "_penalize_native", lambda *a: False)
+        reference = logits_processors.process(rows, reqs, extras)
+    assert not torch.equal(native, rows)
+    assert torch.equal(native.view(torch.int32), reference.view(torch.int32))  # bits, so -0.0 counts
+    bad = [FakeRequest([3, vocab + 2], [], SamplingParams(repetition_penalty=1.2))]
+    for torch_only in (False, True):
+        with monkeypatch.context() as m, pytest.raises(IndexError):
+            if torch_only:
+                m.setattr(logits_processors, "_penalize_native", lambda *a: False)
+            logits_processors.process(rows[:1], bad)
+
+
 def test_bad_values_name_the_field():
     for kw, field in [(dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty="a"), "frequency"),
                       (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_tokens=-1), "min_tokens"),

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from kernels import native_cpu
+
 
 def active(params: Any) -> bool:
     return bool(params.logit_bias or params.min_tokens or params.repetition_penalty != 1.0
@@ -57,6 +59,8 @@ def _penalize(rows: torch.Tensor, reqs: list[Any], pen: list[int], extra: list[l
     seqs = [reqs[i].token_array() for i in pen]  # prompt + output, int64
     if extra:
         seqs = [q + array.array("q", extra[i]) if extra[i] else q for q, i in zip(seqs, pen)]
+    if _penalize_native(rows, reqs, pen, seqs):
+        return
     lens = torch.tensor([len(q) for q in seqs], dtype=torch.long)
     flat = torch.frombuffer(bytearray(b"".join(seqs)), dtype=torch.long)
     owner = torch.repeat_interleave(torch.arange(len(pen)), lens)
@@ -81,6 +85,41 @@ def _penalize(rows: torch.Tensor, reqs: list[Any], pen: list[int], extra: list[l
         r_idx, t_idx = row_of[who].to(dev), tok.to(dev)
         vals = rows[r_idx, t_idx] - (freq[who] * counts.to(rows.dtype)).to(dev)
         rows[r_idx, t_idx] = vals - pres[who].to(dev)
+
+
+_marks: dict[int, torch.Tensor] = {}  # per vocabulary size: the C pass's scratch, zero between calls
+
+
+def _penalize_native(rows: torch.Tensor, reqs: list[Any], pen: list[int], seqs: list[array.array]) -> bool:
+    """_penalize's work in one call of kernels/csrc/penalty_cpu.c (same values, bit for bit); False where
+    it does not apply (not a contiguous fp32 CPU tensor, or no native library) and torch does it."""
+    lib = native_cpu.library()
+    if lib is None or rows.device.type != "cpu" or rows.dtype != torch.float32 or not rows.is_contiguous():
+        return False
+    vocab = rows.shape[1]
+    marks = _marks.get(vocab)
+    if marks is None:
+        marks = _marks[vocab] = torch.zeros(vocab, dtype=torch.int32)
+    params = [reqs[i].params for i in pen]
+    lens = array.array("q", map(len, seqs))
+    starts = array.array("q", [0]) * len(seqs)
+    for j in range(1, len(seqs)):
+        starts[j] = starts[j - 1] + lens[j - 1]
+    flat = seqs[0]
+    if len(seqs) > 1:
+        flat = array.array("q")
+        for q in seqs:
+            flat.extend(q)
+    columns = [array.array("q", pen), array.array("q", [reqs[i].num_prompt_tokens for i in pen]),
+               array.array("f", [p.repetition_penalty for p in params]),
+               array.array("f", [p.frequency_penalty for p in params]),
+               array.array("f", [p.presence_penalty for p in params])]
+    addr = [c.buffer_info()[0] for c in (flat, starts, lens, *columns)]
+    status = lib.tandem_penalize_f32(rows.data_ptr(), vocab, vocab, len(pen), addr[3], addr[0], addr[1], addr[2],
+                                     addr[4], addr[5], addr[6], addr[7], marks.data_ptr())
+    if status != 0:
+        raise IndexError(f"a token id lies outside the logits' {vocab} columns")
+    return True
 
 
 def scale_repeated(logits: torch.Tensor, penalty: torch.Tensor | float) -> torch.Tensor:
