@@ -3,6 +3,7 @@ workload whose continuation repeats prompt text (or plain held-out code), plus t
 EAGLE head's greedy acceptance rates vs the target.
 
     python -m bench.speculative [--model PATH --draft-model PATH --eagle-head PATH] [--k 4] [--new-tokens 96]
+        [--repetition-penalty 1.2]
 
 Models: tandem's shipped target, draft and EAGLE head (`tandem.default_model`, tandem/assets/tiny-target,
 tiny-draft, tiny-eagle) unless --model / --draft-model / --eagle-head are given. Prompts are snippets
@@ -82,7 +83,7 @@ CLOCK = time.perf_counter
 
 
 def decode_run(model: str, prompts: list[list[int]], new_tokens: int, batch: int | None = None,
-               **options) -> tuple[float, list, dict]:
+               repetition_penalty: float = 1.0, **options) -> tuple[float, list, dict]:
     """Decode tok/s (after every request of a batch has its first token), outputs and spec stats of
     `prompts` run in consecutive batches of `batch` (default: all at once) on one engine."""
     from tandem.config import EngineConfig
@@ -91,7 +92,8 @@ def decode_run(model: str, prompts: list[list[int]], new_tokens: int, batch: int
 
     engine = LLMEngine(EngineConfig(model=model, max_model_len=1024, kv_cache_memory_gb=0.5,
                                     max_num_batched_tokens=8192, **options))
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True,
+                            repetition_penalty=repetition_penalty)
     size, outputs, counted, dt = batch or len(prompts), [], 0, 0.0
     for first in range(0, len(prompts), size):
         ids = [engine.add_request(None, p, params) for p in prompts[first:first + size]]
@@ -122,6 +124,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="consecutive batches per configuration, each with the next prompts (batch 1: R prompts)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per configuration; the fastest counts")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="every request's (the shipped model's generation_config, which HTTP requests get, says 1.2)")
     ap.add_argument("--cpu-clock", action="store_true", help="time with thread CPU time, 1 torch thread")
     args = ap.parse_args()
     if args.cpu_clock:
@@ -146,7 +150,7 @@ def main() -> None:
         [tok.encode(s)[:256] for s in heldout_snippets(16, 1200)]
     clock = "thread CPU time" if args.cpu_clock else "wall clock"
     print(f"target={model}\ndraft={draft}\neagle head={head}\nthreads={torch.get_num_threads()} ({clock}) k={args.k} "
-          f"new_tokens={args.new_tokens} workload={args.workload}\n"
+          f"new_tokens={args.new_tokens} workload={args.workload} repetition_penalty={args.repetition_penalty}\n"
           f"prompts={len(pool)} (mean {sum(map(len, pool)) / len(pool):.0f} tokens)")
     configs = {"none": {}, "ngram": dict(speculator="ngram"),
                "draft_model": dict(speculator="draft_model", draft_model=draft),
@@ -163,7 +167,7 @@ def main() -> None:
         runs: dict[str, list] = {name: [] for name in configs}
         for _ in range(args.repeats):
             for name, spec in specs.items():
-                runs[name].append(decode_run(model, prompts, args.new_tokens, b, **spec))
+                runs[name].append(decode_run(model, prompts, args.new_tokens, b, args.repetition_penalty, **spec))
         base_tps, base_out = max(r[0] for r in runs["none"]), runs["none"][0][1]
         for name in configs:
             tps, outs, stats = max(runs[name], key=lambda r: r[0])
