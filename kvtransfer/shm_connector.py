@@ -203,11 +203,11 @@ class ShmSender(BaseSender):
         num_blocks = state.caches[layer].shape[0]
         if max(dest) >= num_blocks:
             raise ValueError(f"dest_block_ids {max(dest)} out of range: the receiver has {num_blocks} blocks")
-        # The one copy: P's blocks into D's (runs of consecutive ids are single memcpys).
-        copy_blocks(self.ops, state.caches[layer], dest, kv_cache, src)
+        # The one copy: P's blocks into D's, with streaming stores (runs of consecutive ids are one call each).
+        copy_blocks(self.ops, state.caches[layer], dest, kv_cache, src, streaming=True)
         nbytes = len(src) * self.layout.block_nbytes
         if kv_scale is not None and state.scales is not None:
-            copy_blocks(self.ops, state.scales[layer], dest, kv_scale, src)
+            copy_blocks(self.ops, state.scales[layer], dest, kv_scale, src, streaming=True)
             nbytes += len(src) * self.layout.scale_block_nbytes
         crc = None
         if self.checksum:

@@ -1,5 +1,6 @@
 """KV connectors within one process (no rig of worker processes): what a process with a zmq connector
-does to its allocator, and the receiver's ready_fd that wakes a decode worker's poller."""
+does to its allocator, the receiver's ready_fd that wakes a decode worker's poller, and the shm
+sender's streaming block copy."""
 
 from __future__ import annotations
 
@@ -112,3 +113,36 @@ def test_torch_dist_refuses_a_receiver_on_the_senders_own_gpu(monkeypatch) -> No
         tx.close()
     finally:
         rx.close()
+
+
+def test_streaming_block_copy_equals_a_plain_copy() -> None:
+    """copy_blocks(streaming=True) (the shm sender's copy into D's cache: streaming stores after a
+    memcpy'd head up to 64-byte alignment, a memcpy'd tail) writes exactly the blocks a plain copy
+    writes, for block sizes that are not multiples of 64 bytes and destinations at odd offsets, and
+    touches nothing else."""
+    import pytest
+    import torch
+
+    from kernels import get_ops, native_cpu
+    from kvtransfer.blocks import copy_blocks
+
+    if native_cpu.library() is None:
+        pytest.fail("no native CPU library (a C compiler is a test dependency)")
+    ops = get_ops(torch.device("cpu"))
+    for block_shape, dtype in [((2, 4, 2, 8), torch.float32), ((2, 3, 1, 5), torch.float32),
+                               ((2, 7, 1, 3), torch.uint8), ((2, 16, 2, 64), torch.float32)]:
+        src = (torch.rand(40, *block_shape) * 200).to(dtype)
+        for dst_ids, src_ids in [([3, 4, 5, 6], [10, 11, 12, 13]), ([0], [39]),
+                                 ([7, 8, 20, 21, 22, 30], [1, 2, 5, 6, 7, 9]), (list(range(12)), list(range(25, 37)))]:
+            want = torch.full((36, *block_shape), 7).to(dtype)
+            got = want.clone()
+            copy_blocks(ops, want, dst_ids, src, src_ids)
+            copy_blocks(ops, got, dst_ids, src, src_ids, streaming=True)
+            assert torch.equal(got, want), (block_shape, dst_ids)
+            assert torch.equal(got[dst_ids], src[src_ids])
+    # a destination that starts off 64-byte alignment (a view one float in), and a long run
+    base = torch.zeros(1 + 30 * 2 * 16 * 2 * 64)
+    dst = base[1:].view(30, 2, 16, 2, 64)
+    src = torch.randn(30, 2, 16, 2, 64)
+    copy_blocks(ops, dst, list(range(2, 27)), src, list(range(0, 25)), streaming=True)
+    assert torch.equal(dst[2:27], src[:25]) and base[0] == 0 and dst[:2].abs().sum() == 0 and dst[27:].abs().sum() == 0
