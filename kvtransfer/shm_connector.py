@@ -2,7 +2,8 @@
 
 D allocates its caches with `allocate_shared_kv_caches` (or `ShmConnector.allocate_kv_caches`): one
 file in /dev/shm, pre-faulted once at start-up and mapped for the worker's lifetime, so a transfer
-allocates nothing and moves each byte once (P's block -> D's block). The handshake tells P the
+allocates nothing and moves each byte once (P's block -> D's block, with streaming stores:
+kvtransfer/blocks.py copy_blocks). The handshake tells P the
 file and the per-layer offsets; per layer a small `kv` notification over ZMQ says which blocks are
 written. Because P writes D's memory itself, cancelling is fenced: D reports the cancel only after
 P confirms (under the lock its writes take) that it writes nothing more for that request.
