@@ -23,12 +23,13 @@ import contextlib
 import json
 import socket
 import ssl as ssl_module
-from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Generator, cast
 
 import structlog
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from router_svc.http_messages import Request, Response
 
 log = structlog.get_logger(__name__)
 
@@ -37,59 +38,6 @@ KEEPALIVE_IDLE_S = 60
 LINGER_S = 1.0  # after a 408: how long the client's trickle is read and dropped before closing
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/openapi.json")
 _TASK, _GONE = "tandem.task", "tandem.client_gone"  # scope keys: the request's task, "the client left"
-
-
-@dataclass(slots=True)
-class Request:
-    method: str
-    path: str
-    query: str
-    headers: dict[str, str]
-    body: bytes
-
-    def json(self) -> Any:
-        """The body as JSON; ValueError if it is not (nesting past Python's recursion limit included)."""
-        try:
-            return json.loads(self.body.decode("utf-8")) if self.body else None
-        except RecursionError:
-            raise ValueError("the JSON body is nested too deeply") from None
-
-
-class Response:
-    """What the app answers with, over ASGI `send`: one JSON/bytes body, or a stream of writes."""
-
-    __slots__ = ("_send", "started", "streaming", "extra_headers")
-
-    def __init__(self, send: Callable[[dict], Awaitable[None]]) -> None:
-        self._send = send
-        self.started = False
-        self.streaming = False
-        self.extra_headers: dict[str, str] = {}
-
-    def _head(self, status: int, headers: dict[str, str]) -> dict:
-        merged = {**headers, **self.extra_headers}
-        return {"type": "http.response.start", "status": status,
-                "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in merged.items()]}
-
-    async def send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-        self.started = True
-        await self._send(self._head(status, {"Content-Type": content_type, "Content-Length": str(len(body)),
-                                             **(headers or {})}))
-        await self._send({"type": "http.response.body", "body": body})
-
-    async def json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
-        await self.send(status, json.dumps(obj, ensure_ascii=False).encode(), "application/json", headers)
-
-    async def start_stream(self, content_type: str = "text/event-stream") -> None:
-        self.started = self.streaming = True  # no Content-Length: uvicorn sends it chunked
-        await self._send(self._head(200, {"Content-Type": content_type, "Cache-Control": "no-cache"}))
-
-    async def write(self, data: bytes) -> None:
-        if data:
-            await self._send({"type": "http.response.body", "body": data, "more_body": True})
-
-    async def end_stream(self) -> None:
-        await self._send({"type": "http.response.body", "body": b""})
 
 
 App = Callable[[Request, Response], Awaitable[None]]

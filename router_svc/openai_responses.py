@@ -138,3 +138,18 @@ def echo_logprobs(ids: list[int], entries: list[Any] | None, model: ServedModel)
         tops.append({text(i): v for i, v in sorted(pairs.items(), key=lambda kv: -kv[1])})
     offsets = [0, *itertools.accumulate(len(s) for s in tokens)][:len(tokens)]
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def text_length(lp: dict) -> int:
+    """The characters of a completion's logprobs chunk (its tokens' text): the next chunk's text_offset."""
+    return sum(len(t) for t in lp["tokens"]) if "tokens" in lp else 0
+
+
+def merge_logprobs(parts: list[Any], chat: bool) -> Any:
+    """One choice's logprobs chunks, in order, as one logprobs object (a non-streamed response)."""
+    if not parts:
+        return None
+    if chat:
+        return {"content": [row for p in parts for row in p["content"]]}
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {key: [v for p in parts for v in p[key]] for key in keys}

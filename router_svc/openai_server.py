@@ -25,14 +25,16 @@ from router_svc.chat_deltas import ChoiceDeltas
 from router_svc.core import Chunk, Router
 from router_svc.errors import BadRequest, NotFound, Overloaded, RouterError
 from router_svc.fanout import Choices, choice_ids, submit_all
-from router_svc.http_server import Request, Response
+from router_svc.http_messages import Request, Response
 from router_svc.openai_api import ParsedRequest, parse_chat, parse_completion
 from router_svc.openai_responses import (
     Totals,
     echo_logprobs,
     final_response,
     format_logprobs,
+    merge_logprobs,
     stream_chunk,
+    text_length,
     usage_chunk,
 )
 from router_svc.prompts import ServedModel
@@ -195,9 +197,9 @@ class OpenAIApp:
             lp = None if parsed.drop_output else format_logprobs(chunk, self.model, chat, offsets[i])
             if lp is not None:
                 logprobs[i].append(lp)
-                offsets[i] += _text_length(lp)
+                offsets[i] += text_length(lp)
         await response.json(200, final_response(rid, chat, self.model.name, totals,
-                                                [_merge_logprobs(parts, chat) for parts in logprobs], parsed.n,
+                                                [merge_logprobs(parts, chat) for parts in logprobs], parsed.n,
                                                 parsed.tools, parsed.reasoning))
 
     async def _collect_beams(self, rid: str, choices: Choices, response: Response, parsed: ParsedRequest) -> None:
@@ -245,7 +247,7 @@ class OpenAIApp:
             # completions' text_offset: characters of the tokens before, from the completion's start
             lp = format_logprobs(chunk, self.model, chat, offsets[i])
             if lp is not None:
-                offsets[i] += _text_length(lp)
+                offsets[i] += text_length(lp)
             if parsers is not None:  # reasoning / tool calls: their deltas in place of the text's
                 await self._stream_parsed(rid, response, parsed, parsers[i], chunk, lp, i)
                 continue
@@ -277,19 +279,6 @@ class OpenAIApp:
         if chunk.finished:
             await _sse(response, stream_chunk(rid, True, name, None, reason, include_usage=usage_on, index=index,
                                               delta={}))
-
-
-def _text_length(lp: dict) -> int:
-    return sum(len(t) for t in lp["tokens"]) if "tokens" in lp else 0
-
-
-def _merge_logprobs(parts: list[Any], chat: bool) -> Any:
-    if not parts:
-        return None
-    if chat:
-        return {"content": [row for p in parts for row in p["content"]]}
-    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
-    return {key: [v for p in parts for v in p[key]] for key in keys}
 
 
 async def _sse(response: Response, obj: Any) -> None:
