@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_spec_decode import ALPHA, _chi2_pvalue
 from test_speculative import check_clean, perturbed_copy, repeating_prompts
-from tiny_models import assert_cli_refuses, hf_greedy, make_checkpoint, make_eagle_head
+from tiny_models import assert_cli_refuses, heldout_code, hf_greedy, make_checkpoint, make_eagle_head
 
 from tandem import LLM, SamplingParams
 
@@ -32,20 +32,6 @@ def shipped():
     llm = LLM(max_model_len=512)
     prompts = [llm.engine.tokenize(s) for s in heldout_code()]
     return prompts, [o.token_ids for o in llm.generate(prompts, GREEDY)]
-
-
-def heldout_code() -> list[str]:
-    """Snippets of standard-library files tools/train_tiny.py held out (never trained on)."""
-    import sysconfig
-    from pathlib import Path
-
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
-    for name in ("optparse.py", "sre_parse.py", "asyncio/tasks.py", "wsgiref/validate.py"):
-        text = (root / name).read_text(encoding="utf-8")
-        start = text.find("\ndef ", len(text) // 3)
-        out.append(text[start + 1:start + 500])
-    return out
 
 
 def test_greedy_identical_with_random_head_on_tiny_checkpoint(tiny):

@@ -6,9 +6,8 @@ written."""
 
 import pytest
 import torch
-from test_eagle import heldout_code
 from test_speculative import repeating_prompts
-from tiny_models import make_checkpoint, make_eagle_head
+from tiny_models import heldout_code, make_checkpoint, make_eagle_head
 
 from tandem import LLM, SamplingParams
 

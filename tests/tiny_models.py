@@ -149,3 +149,17 @@ def set_chat_template(path: str, template: str) -> str:
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({**cfg, "chat_template": template}, f)
     return path
+
+
+def heldout_code() -> list[str]:
+    """Snippets of standard-library files tools/train_tiny.py held out (never trained on)."""
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for name in ("optparse.py", "sre_parse.py", "asyncio/tasks.py", "wsgiref/validate.py"):
+        text = (root / name).read_text(encoding="utf-8")
+        start = text.find("\ndef ", len(text) // 3)
+        out.append(text[start + 1:start + 500])
+    return out
