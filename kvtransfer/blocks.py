@@ -98,7 +98,10 @@ def copy_blocks(
     if len(runs) <= MAX_SLICE_RUNS:
         stream = _streaming_copy() if streaming and _plain_cpu(dst, src) else None
         for d, s, n in runs:
-            if stream is not None:
+            if stream is not None:  # raw addresses: the bounds a slice copy would enforce, checked here
+                if min(d, s) < 0 or d + n > dst.shape[0] or s + n > src.shape[0]:
+                    raise IndexError(f"blocks {d}..{d + n - 1} / {s}..{s + n - 1} outside caches of "
+                                     f"{dst.shape[0]} / {src.shape[0]} blocks")
                 stream(dst[d].data_ptr(), src[s].data_ptr(), n * dst[0].nbytes)
             else:
                 dst[d:d + n].copy_(src[s:s + n])

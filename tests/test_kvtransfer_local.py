@@ -146,3 +146,7 @@ def test_streaming_block_copy_equals_a_plain_copy() -> None:
     src = torch.randn(30, 2, 16, 2, 64)
     copy_blocks(ops, dst, list(range(2, 27)), src, list(range(0, 25)), streaming=True)
     assert torch.equal(dst[2:27], src[:25]) and base[0] == 0 and dst[:2].abs().sum() == 0 and dst[27:].abs().sum() == 0
+    for dst_ids, src_ids in [([28, 29, 30], [0, 1, 2]), ([0, 1], [29, 30]), ([-1], [0])]:  # past either end
+        with pytest.raises(IndexError):
+            copy_blocks(ops, dst, dst_ids, src, src_ids, streaming=True)
+    assert torch.equal(dst[2:27], src[:25]) and dst[27:].abs().sum() == 0  # nothing written
