@@ -115,7 +115,7 @@ def topk_rows(x: torch.Tensor, rows: list[int], k: int) -> list[list[int] | None
     holding a NaN (its argmax is the first NaN). k <= V."""
     lib = _native(x) if x.dim() == 2 and k <= MAX_TOPK else None
     if lib is None:
-        part = x[torch.tensor(rows, device=x.device)]
+        part = x[torch.tensor(rows, dtype=torch.long, device=x.device)]  # long: rows may be []
         order = torch.sort(part, dim=1, descending=True, stable=True).indices[:, :k].tolist()
         nan = part.isnan().any(dim=1).tolist()
         return [None if bad else o for o, bad in zip(order, nan)]

@@ -85,7 +85,7 @@ CASES = [(1, 1.0, True, False), (2, 1.0, True, False), (4, 1.0, True, False), (4
 
 @pytest.mark.parametrize("width,length_penalty,early_stopping,ignore_eos", CASES)
 def test_beams_match_transformers(ckpt, hf_model, width, length_penalty, early_stopping, ignore_eos):
-    llm = LLM(ckpt, num_kv_blocks=256, max_model_len=512)
+    llm = LLM(ckpt, num_kv_blocks=256, max_model_len=512, dtype="float32")
     params = BeamSearchParams(beam_width=width, max_tokens=MAX_TOKENS, ignore_eos=ignore_eos,
                               length_penalty=length_penalty, early_stopping=early_stopping)
     expected = [hf_beams(hf_model, p, width, length_penalty, early_stopping, ignore_eos) for p in PROMPTS]
@@ -105,7 +105,7 @@ def test_shared_prefix_and_mixed_batch(ckpt, hf_model):
     """Two prompts with a common 32-token prefix, plus a plain request in the same batch."""
     base = prompts_of((32,), seed=7)[0]
     prompts = [base + [5, 6, 7], base + [9]]
-    llm = LLM(ckpt, num_kv_blocks=256, max_model_len=512)
+    llm = LLM(ckpt, num_kv_blocks=256, max_model_len=512, dtype="float32")
     llm.beam_search([base + [11]], BeamSearchParams(beam_width=2, max_tokens=4))
     hits = llm.engine.kv.hit_tokens
     plain = llm.engine.add_request(None, PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
@@ -121,7 +121,7 @@ def test_shared_prefix_and_mixed_batch(ckpt, hf_model):
 
 def test_group_preempted_whole_gives_the_same_beams(ckpt, hf_model):
     """A pool too small for all groups at once: groups are preempted and recompute, output unchanged."""
-    llm = LLM(ckpt, num_kv_blocks=24, max_model_len=128, block_size=8)
+    llm = LLM(ckpt, num_kv_blocks=24, max_model_len=128, block_size=8, dtype="float32")
     prompts = prompts_of((21, 22, 23, 24), seed=11)
     plain = [llm.engine.add_request(None, p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
              for p in prompts_of((40, 41), seed=12)]  # they hold blocks the groups need
@@ -138,7 +138,7 @@ def test_group_preempted_whole_gives_the_same_beams(ckpt, hf_model):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])  # int8: the per-token scales are copied too
 def test_invariant_every_step_and_copy_on_write(ckpt, kv_cache_dtype):
-    llm = LLM(ckpt, num_kv_blocks=256, max_model_len=512, block_size=8, kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(ckpt, num_kv_blocks=256, max_model_len=512, block_size=8, kv_cache_dtype=kv_cache_dtype, dtype="float32")
     engine = llm.engine
     for p in PROMPTS:
         engine.enqueue(engine.make_beam_request(None, p, BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS,
@@ -187,7 +187,7 @@ def test_bad_params_are_value_errors(ckpt, bad):
 
 
 def test_engine_keeps_serving_after_bad_input(ckpt):
-    llm = LLM(ckpt, num_kv_blocks=256, max_model_len=512)
+    llm = LLM(ckpt, num_kv_blocks=256, max_model_len=512, dtype="float32")
     with pytest.raises(TypeError):
         llm.beam_search(PROMPTS, SamplingParams())
     with pytest.raises(ValueError):
@@ -203,7 +203,7 @@ def test_beam_search_with_a_speculator_is_refused_naming_the_field(ckpt):
     """The message starts with the HTTP field, so the router's 400 names `use_beam_search`."""
     from router_svc.errors import BadRequest
 
-    llm = LLM(ckpt, num_kv_blocks=256, max_model_len=512, spec_max_batch=8, speculator="ngram")
+    llm = LLM(ckpt, num_kv_blocks=256, max_model_len=512, spec_max_batch=8, speculator="ngram", dtype="float32")
     with pytest.raises(ValueError, match="speculator") as err:
         llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=2, max_tokens=4))
     assert BadRequest.from_exception(err.value).param == "use_beam_search"
@@ -211,7 +211,7 @@ def test_beam_search_with_a_speculator_is_refused_naming_the_field(ckpt):
 
 
 def test_abort_frees_the_group(ckpt):
-    llm = LLM(ckpt, num_kv_blocks=256, max_model_len=512)
+    llm = LLM(ckpt, num_kv_blocks=256, max_model_len=512, dtype="float32")
     engine = llm.engine
     for rid in ("a", "b"):
         engine.enqueue(engine.make_beam_request(rid, PROMPTS[2], BeamSearchParams(beam_width=4, max_tokens=MAX_TOKENS,

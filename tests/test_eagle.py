@@ -29,7 +29,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def shipped():
     """The shipped target, its greedy output on held-out code (no speculation) and the prompts."""
-    llm = LLM(max_model_len=512)
+    llm = LLM(max_model_len=512, dtype="float32")
     prompts = [llm.engine.tokenize(s) for s in heldout_code()]
     return prompts, [o.token_ids for o in llm.generate(prompts, GREEDY)]
 
@@ -38,7 +38,7 @@ def test_greedy_identical_with_random_head_on_tiny_checkpoint(tiny):
     path, head = tiny
     prompts = repeating_prompts(seed=2)
     llm = LLM(path, num_kv_blocks=128, max_model_len=256, spec_max_batch=8, speculator="eagle", draft_model=head,
-              num_speculative_tokens=3)
+              num_speculative_tokens=3, dtype="float32")
     assert llm.engine.speculator.wants_hidden_states and llm.engine.runner.keep_hidden
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 32)
@@ -47,10 +47,24 @@ def test_greedy_identical_with_random_head_on_tiny_checkpoint(tiny):
     check_clean(llm)
 
 
+def test_head_takes_the_targets_dtype():
+    """A bf16 target (a GPU's default dtype) gets a bf16 head: the head's weights once stayed fp32 and
+    its first draft pass failed on a GPU ("mat1 and mat2 ... BFloat16 != float"). It drafts, is
+    accepted, and changes no greedy token."""
+    prompts = ["def fibonacci(n):\n    ", "import os\nimport sys\n"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(max_model_len=256, spec_max_batch=8, speculator="eagle", dtype="bfloat16")
+    head = llm.engine.speculator.runner.head
+    assert {p.dtype for p in head.parameters()} == {torch.bfloat16}
+    plain = LLM(max_model_len=256, dtype="bfloat16").generate(prompts, params)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert llm.engine.speculator_stats()["num_accepted_tokens"] > 0
+
+
 def test_greedy_identical_with_shipped_head_and_it_accepts(shipped):
     """`speculator="eagle"` and nothing else: the shipped head for the shipped model."""
     prompts, expected = shipped
-    llm = LLM(max_model_len=512, spec_max_batch=8, speculator="eagle")
+    llm = LLM(max_model_len=512, spec_max_batch=8, speculator="eagle", dtype="float32")
     assert llm.engine.config.draft_model.endswith("tiny-eagle")
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     stats = llm.engine.speculator_stats()
@@ -84,7 +98,7 @@ def test_dropped_target_states_are_read_from_the_cache(shipped):
     its head reads them back from the target's hidden-state cache layers (no target pass): same
     output, same acceptance."""
     prompts, expected = shipped
-    llm = LLM(max_model_len=512, spec_max_batch=8, speculator="eagle")
+    llm = LLM(max_model_len=512, spec_max_batch=8, speculator="eagle", dtype="float32")
     llm.engine.speculator.runner.max_held_states = 8
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     stats = llm.engine.speculator_stats()
@@ -99,7 +113,7 @@ def test_hidden_state_layers_hold_the_targets_states(kv_cache_dtype, tol):
     through its block table) is the target's final hidden states from a cache-free pass: exactly, or
     within int8 quantization error."""
     llm = LLM(max_model_len=512, spec_max_batch=8, speculator="eagle", kv_cache_dtype=kv_cache_dtype,
-              max_num_batched_tokens=32)
+              max_num_batched_tokens=32, dtype="float32")  # tol 0: fp32 (a GPU's auto is bf16)
     eng, runner = llm.engine, llm.engine.runner
     assert runner.hidden_layers == 1 and eng.kv_layout.hidden_layers == 1  # hidden 256 = 2 x 4 heads x 32
     assert eng.kv_layout.num_layers == eng.model_config.num_layers + 1
@@ -114,7 +128,7 @@ def test_hidden_state_layers_hold_the_targets_states(kv_cache_dtype, tol):
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err <= tol + 1e-6, err
     assert runner.cached_hidden_states(req.block_ids, 40, 72).equal(got[40:72])
-    assert LLM(max_model_len=512).engine.kv_layout.hidden_layers == 0  # no speculator: no extra layer
+    assert LLM(max_model_len=512, dtype="float32").engine.kv_layout.hidden_layers == 0  # no speculator: no extra layer
 
 
 def test_head_cache_follows_accepted_tokens(shipped):
@@ -123,10 +137,10 @@ def test_head_cache_follows_accepted_tokens(shipped):
     from plugins.eagle import EagleRunner
 
     prompts, _ = shipped
-    llm = LLM(max_model_len=512, spec_max_batch=8, speculator="eagle")
+    llm = LLM(max_model_len=512, spec_max_batch=8, speculator="eagle", dtype="float32")
     eng, spec = llm.engine, llm.engine.speculator
     fresh = EagleRunner(eng.config.draft_model, target=eng.runner, target_config=eng.model_config,
-                        dtype=torch.float32, device=torch.device("cpu"), block_size=16, max_model_len=512, k=4,
+                        dtype=torch.float32, device=eng.runner.device, block_size=16, max_model_len=512, k=4,
                         max_seqs=8)
     incremental, calls = spec.runner.propose, []
 
@@ -155,8 +169,8 @@ def test_preemption_keeps_output_identical(shipped):
     prompts, _ = shipped
     many = prompts * 2
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    ref = LLM(max_model_len=512, num_kv_blocks=48).generate(many, params)
-    llm = LLM(max_model_len=512, num_kv_blocks=48, spec_max_batch=8, speculator="eagle")
+    ref = LLM(max_model_len=512, num_kv_blocks=48, dtype="float32").generate(many, params)
+    llm = LLM(max_model_len=512, num_kv_blocks=48, spec_max_batch=8, speculator="eagle", dtype="float32")
     outs = llm.generate(many, params)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
@@ -179,12 +193,12 @@ def test_sampled_tokens_follow_the_target_distribution(speculator, tmp_path):
     speculator = speculator.removesuffix("-draft-vocab")
     prompt, n = [0, 5, 6, 7, 5, 6, 3], 4000
     llm = LLM(path, num_kv_blocks=1024, max_model_len=64, max_num_seqs=512, spec_max_batch=512,
-              speculator=speculator, draft_model=draft or head, num_speculative_tokens=2)
+              speculator=speculator, draft_model=draft or head, num_speculative_tokens=2, dtype="float32")
     outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=4, seed=s, ignore_eos=True)
                                        for s in range(n)])
     stats = llm.engine.speculator_stats()
     assert 0 < stats["num_accepted_tokens"] < stats["num_drafted_tokens"], stats  # both paths taken
-    target = LLM(path, num_kv_blocks=64, max_model_len=64).engine.runner
+    target = LLM(path, num_kv_blocks=64, max_model_len=64, dtype="float32").engine.runner
     p_first = _probs(target, prompt)
     expected = torch.stack([p_first[x] * _probs(target, prompt + [x]) for x in range(8)]).flatten()
     counts = torch.zeros(64, dtype=torch.float64)
@@ -235,14 +249,14 @@ def test_head_for_another_model_is_refused(tiny, tmp_path):
     path, _ = tiny
     wide = make_eagle_head(str(tmp_path / "wide"), path, hidden_size=128)
     with pytest.raises(ValueError, match="hidden_size 128 but the target model's hidden size is 64"):
-        LLM(path, num_kv_blocks=64, speculator="eagle", draft_model=wide)
+        LLM(path, num_kv_blocks=64, speculator="eagle", draft_model=wide, dtype="float32")
     vocab = make_eagle_head(str(tmp_path / "vocab"), path, vocab_size=1000)
     with pytest.raises(ValueError, match="vocab_size 1000 but the target model's vocabulary has 512"):
-        LLM(path, num_kv_blocks=64, speculator="eagle", draft_model=vocab)
+        LLM(path, num_kv_blocks=64, speculator="eagle", draft_model=vocab, dtype="float32")
     with pytest.raises(ValueError, match="hidden_size 256"):  # the shipped head is the shipped model's
-        LLM(path, num_kv_blocks=64, speculator="eagle")
+        LLM(path, num_kv_blocks=64, speculator="eagle", dtype="float32")
     with pytest.raises(ValueError, match="not an EAGLE head"):  # a full checkpoint is not a head
-        LLM(path, num_kv_blocks=64, speculator="eagle", draft_model=path)
+        LLM(path, num_kv_blocks=64, speculator="eagle", draft_model=path, dtype="float32")
     assert_cli_refuses(path, wide, "hidden_size 128")
 
 

@@ -58,7 +58,7 @@ def _watch_blocks(llm: LLM) -> list[int]:
 
 def test_greedy_matches_transformers_chunked_and_bounded(mistral):
     prompts = _prompts(4, seed=1)
-    llm = LLM(mistral, num_kv_blocks=64, max_model_len=1024, max_num_batched_tokens=CHUNK)
+    llm = LLM(mistral, num_kv_blocks=64, max_model_len=1024, max_num_batched_tokens=CHUNK, dtype="float32")
     assert llm.engine.kv.window == WINDOW
     most = _watch_blocks(llm)
     outs = llm.generate(prompts, greedy())
@@ -73,7 +73,7 @@ def test_prefix_hit_needs_only_the_window_blocks(mistral):
     blocks its window reaches (a full-attention prefix cache would miss at block 0)."""
     base = [random.Random(2).randrange(3, 512) for _ in range(100)]
     follow = base + [5, 6, 7, 8, 9]
-    llm = LLM(mistral, num_kv_blocks=24, max_model_len=1024, max_num_batched_tokens=CHUNK)
+    llm = LLM(mistral, num_kv_blocks=24, max_model_len=1024, max_num_batched_tokens=CHUNK, dtype="float32")
     llm.generate([base], greedy(8))
     kv = llm.engine.kv
     # Take every empty block and two more: LRU evicts the base's first two blocks (released first).
@@ -91,7 +91,7 @@ def test_prefix_hit_needs_only_the_window_blocks(mistral):
 
 def test_preemption_recomputes_within_the_window(mistral):
     prompts = _prompts(6, seed=4)
-    llm = LLM(mistral, num_kv_blocks=14, max_model_len=1024, max_num_batched_tokens=CHUNK)
+    llm = LLM(mistral, num_kv_blocks=14, max_model_len=1024, max_num_batched_tokens=CHUNK, dtype="float32")
     _watch_blocks(llm)
     outs = llm.generate(prompts, greedy())
     assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for all at once"
@@ -101,10 +101,10 @@ def test_preemption_recomputes_within_the_window(mistral):
 def test_unchunked_prefill_and_speculation(mistral):
     prompts = _prompts(2, seed=5)
     expected = hf_greedy(mistral, prompts, NEW)
-    whole = LLM(mistral, num_kv_blocks=64, max_model_len=1024, enable_chunked_prefill=False)
+    whole = LLM(mistral, num_kv_blocks=64, max_model_len=1024, enable_chunked_prefill=False, dtype="float32")
     assert [o.token_ids for o in whole.generate(prompts, greedy())] == expected
     spec = LLM(mistral, num_kv_blocks=64, max_model_len=1024, spec_max_batch=8, speculator="ngram",
-               num_speculative_tokens=3)
+               num_speculative_tokens=3, dtype="float32")
     assert [o.token_ids for o in spec.generate(prompts, greedy())] == expected
 
 
@@ -115,7 +115,7 @@ def test_qwen2_sliding_layers(tmp_path, first_sliding_layer):
     path = make_checkpoint(str(tmp_path / "qwen2"), "qwen2", use_sliding_window=True, sliding_window=WINDOW,
                            max_window_layers=first_sliding_layer)
     prompts = _prompts(2, seed=6)
-    llm = LLM(path, num_kv_blocks=64, max_model_len=1024, max_num_batched_tokens=CHUNK)
+    llm = LLM(path, num_kv_blocks=64, max_model_len=1024, max_num_batched_tokens=CHUNK, dtype="float32")
     assert llm.engine.model_config.layer_windows == [None if i < first_sliding_layer else WINDOW for i in range(2)]
     assert llm.engine.kv.window == (WINDOW if first_sliding_layer == 0 else None)
     assert [o.token_ids for o in llm.generate(prompts, greedy())] == hf_greedy(path, prompts, NEW)
@@ -164,7 +164,7 @@ def test_beam_search_under_the_window(mistral, width):
     from tandem import BeamSearchParams
 
     prompts = _prompts(2, seed=9)
-    llm = LLM(mistral, num_kv_blocks=128, max_model_len=1024, max_num_batched_tokens=CHUNK)
+    llm = LLM(mistral, num_kv_blocks=128, max_model_len=1024, max_num_batched_tokens=CHUNK, dtype="float32")
     outs = llm.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=30, ignore_eos=True))
     model = tf.AutoModelForCausalLM.from_pretrained(mistral, dtype=torch.float32).eval()
     for prompt, out in zip(prompts, outs):

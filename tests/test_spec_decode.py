@@ -25,7 +25,7 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson's chi-square test of counts against probs. Cells expected fewer than 5 times are pooled
     into one (Cochran's rule): one draw of a 1e-5 outcome must not read as a broken sampler."""
     n = counts.sum()
-    expected = probs * n
+    expected = probs.cpu() * n
     keep = expected > 0
     assert counts[~keep].sum() == 0, "sampled a token of probability 0"
     counts, expected = counts[keep], expected[keep]

@@ -209,6 +209,7 @@ def test_best_allowed_is_the_masked_argmax_or_declines():
     fused.ALLOWED, saved = False, fused.ALLOWED
     try:
         assert fused.topk_rows(rows, [4, 0, 2], CANDIDATES) == native
+        assert fused.topk_rows(rows, [], CANDIDATES) == []  # the torch path (a GPU's) with no greedy row
     finally:
         fused.ALLOWED = saved
 

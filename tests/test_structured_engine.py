@@ -32,7 +32,7 @@ def ckpt(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def llm(ckpt) -> LLM:
-    return LLM(ckpt, num_kv_blocks=512)
+    return LLM(ckpt, num_kv_blocks=512, dtype="float32")  # checked against transformers in fp32 (a GPU's auto: bf16)
 
 
 @pytest.mark.parametrize("spec", [s for s, _ in SPECS], ids=["json", "regex", "choice"])

@@ -73,7 +73,7 @@ class BeamSearch:
         """`outputs[i]`, `cum_logprobs[i]`: live hypothesis i's generated tokens and score;
         `logprobs` [len(outputs), vocab]: its next-token log-probs. Returns the next live hypotheses."""
         vocab = logprobs.shape[-1]
-        acc = logprobs.float() + torch.tensor(cum_logprobs, dtype=torch.float32)[:, None]
+        acc = logprobs.float() + torch.tensor(cum_logprobs, dtype=torch.float32, device=logprobs.device)[:, None]
         values, indices = acc.view(-1).topk(min(self.num_candidates, acc.numel()))
         generated = self.num_generated + 1
         full = len(self.finished) == self.width and self.early_stopping is True

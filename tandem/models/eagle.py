@@ -115,5 +115,7 @@ def load_head(path: str, target: ModelConfig, dtype: torch.dtype, device: torch.
         if tensor.shape != params[name].shape:
             raise ValueError(f"EAGLE head {path!r}: weight {name} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(params[name].shape)}")
-    head.load_state_dict({k: v.to(dtype) for k, v in weights.items()})
+    # assign=True: the head's parameters take the weights' dtype (a plain load_state_dict would copy
+    # them into the fp32 parameters the module was built with, and a bf16 target would meet an fp32 fc).
+    head.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in weights.items()}, assign=True)
     return head.to(device).eval()
