@@ -7,6 +7,8 @@
 #   3. bench.offline_throughput on the GPU (bf16): tandem vs transformers on the same device, and
 #      batch-1 decode vs the weight-bandwidth limit;
 #   4. the kernel tests, compiled for the GPU (tests/triton_device.py moves their tensors there);
+#   4b. the generation features on the GPU (EAGLE, beam search, structured outputs, sliding window,
+#      speculative decoding): their tests' greedy/exactness checks, with CUDA graphs on by default;
 #   5. bench.decode_profile: where a batch-1 decode step's time goes (CUDA launches, copies, syncs);
 #   6. bench.speculative at batch 1 and 4 (graphs replay ngram's verification steps);
 #   7. `tandem up` on the GPU (P and D share it over zmq), 8 req/s: where TTFT goes (bench.ttft_breakdown);
@@ -15,6 +17,13 @@
 #
 #     [STEPS="offline disagg"] bash bench/gpu_check.sh [OUTDIR]
 # (tandem's dependencies importable; pytest-xdist used if present; STEPS picks steps by name)
+# On a lent machine whose Python has torch, triton, transformers, grpcio and pytest but not tandem's
+# other dependencies (session 22's H100 image): carry them as Python 3.12 wheels in an ignored .whl/ and
+# `pip install --no-index --no-deps --target /tmp/site .whl/*.whl` first — pyzmq, structlog, llguidance
+# (>= 1.7), grpcio-health-checking, grpcio-reflection, grpcio and protobuf (the versions pyproject needs),
+# uvicorn, httptools, fastapi, starlette, pydantic, pydantic-core, annotated-types, typing-inspection,
+# opentelemetry-api, and for the structured tests jsonschema, jsonschema-specifications, referencing,
+# rpds-py. The serving step finds `tandem` beside the interpreter or runs `python -m tandem.cli`.
 set -u
 out=${1:-gpu-check-logs}
 mkdir -p "$out"
@@ -48,9 +57,12 @@ step engine_parity "${LIMIT_PARITY:-120}" $py -m pytest -q -p no:cacheprovider $
 step offline "${LIMIT_OFFLINE:-90}" $py -m bench.offline_throughput
 step kernel_tests "${LIMIT_TESTS:-100}" $py -m pytest -q -p no:cacheprovider $xdist tests/test_kernels.py \
     tests/test_kernels_engine.py tests/test_sliding_window_kernels.py
+step features "${LIMIT_FEATURES:-150}" $py -m pytest -q -p no:cacheprovider $xdist tests/test_eagle.py \
+    tests/test_beam_search.py tests/test_structured_engine.py tests/test_sliding_window.py tests/test_spec_decode.py
 step decode_profile "${LIMIT_PROFILE:-60}" $py -m bench.decode_profile
 step decode_profile_eager "${LIMIT_PROFILE:-60}" $py -m bench.decode_profile --enforce-eager
-step speculative "${LIMIT_SPEC:-150}" $py -m bench.speculative --batches 1,4 --rounds 4
+step speculative "${LIMIT_SPEC:-150}" $py -m bench.speculative --batches ${SPEC_BATCHES:-1,4} --rounds ${SPEC_ROUNDS:-4} \
+    --workload ${SPEC_WORKLOAD:-repeat}
 step serving "${LIMIT_SERVING:-150}" $py -m bench.ttft_breakdown --rate 8
 step disagg "${LIMIT_DISAGG:-150}" $py -m pytest -q -p no:cacheprovider $xdist tests/test_disagg.py \
     -k test_disaggregated_output_identical_and_decode_reuses_cache

@@ -27,14 +27,13 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urlparse
 
 from bench.serve_peer import server_cmd
-from bench.servers import Server, free_port, warm_up
+from bench.servers import Server, free_port, tandem_cli, warm_up
 from bench.stream_client import Received, Sent, stream_one
 
 STREAM_PROMPT, STREAM_TOKENS, LEAD_S = 32, 512, 3.0  # arrivals (and the ITL window) start after LEAD_S
@@ -107,7 +106,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vllm-python", help="python of a venv with vLLM (needed for the vllm mode)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the 55M benchmark Llama)")
-    p.add_argument("--tandem-cmd", default=str(Path(sys.executable).parent / "tandem"))
+    p.add_argument("--tandem-cmd", default=tandem_cli())
     p.add_argument("--modes", default="vllm,tandem-pd,tandem-colocated")
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=2000)

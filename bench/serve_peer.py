@@ -45,7 +45,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.servers import VLLM_CLI, Server, free_port, warm_up
+from bench.servers import VLLM_CLI, Server, free_port, tandem_cli, warm_up
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "tandem" / "assets" / "tiny-target"
@@ -145,7 +145,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="HF checkpoint directory")
     p.add_argument("--vllm-python", help="python of a venv with vLLM (the client, and the peer)")
-    p.add_argument("--tandem-cmd", default=str(Path(sys.executable).parent / "tandem"))
+    p.add_argument("--tandem-cmd", default=tandem_cli())
     p.add_argument("--rates", default="2,8", help="Poisson req/s, comma-separated; inf = burst")
     p.add_argument("--num-prompts", type=int, default=40)
     p.add_argument("--input-len", type=int, default=256)

@@ -11,6 +11,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -30,6 +31,14 @@ from vllm.entrypoints.cli.main import main
 sys.argv[0] = "vllm"
 sys.exit(main())
 """
+
+
+def tandem_cli() -> str:
+    """The `tandem` command, as a shell string: the console script beside this interpreter or, in a
+    checkout that was never pip-installed (a lent GPU machine's own Python), this interpreter running
+    the CLI module."""
+    script = Path(sys.executable).parent / "tandem"
+    return shlex.quote(str(script)) if script.exists() else f"{shlex.quote(sys.executable)} -m tandem.cli"
 
 
 def free_port() -> int:

@@ -20,7 +20,6 @@ import json
 import os
 import random
 import shlex
-import sys
 import tempfile
 import threading
 import time
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import zmq
 
-from bench.servers import Server, free_port, warm_up
+from bench.servers import Server, free_port, tandem_cli, warm_up
 from tandem.protocol import messages
 
 
@@ -96,7 +95,7 @@ def main() -> None:
     p.add_argument("--dump", help="write every request's stage times (ms, in send order) to this JSON file")
     a = p.parse_args()
     port, run_dir = free_port(), Path(tempfile.mkdtemp(prefix="ttft_breakdown-"))
-    cmd = [str(Path(sys.executable).parent / "tandem"), "up", "--http-port", str(port), "--grpc-port", "0",
+    cmd = [*shlex.split(tandem_cli()), "up", "--http-port", str(port), "--grpc-port", "0",
            *(["--model", a.model] if a.model else []), *shlex.split(a.up_args)]
     server = Server("tandem", cmd, dict(os.environ), port, run_dir / "tandem.log")
     try:
