@@ -102,8 +102,9 @@ class WakePipe:
         self._pending = False
 
     def wake(self) -> None:
-        # Callers enqueue first, then wake; drain() clears the flag before the queue is read, so
-        # an enqueue that misses the flag is still seen by that read.
+        # Callers enqueue first, then wake; the woken thread drains, then reads the queue. A wake that
+        # finds the flag still set (drain has emptied the pipe but not yet cleared it) writes nothing,
+        # and its item is seen by that read.
         if self._pending:
             return
         self._pending = True
@@ -113,12 +114,15 @@ class WakePipe:
             pass
 
     def drain(self) -> None:
-        self._pending = False
+        # Empty the pipe first, then clear the flag. The other order lost wake-ups: a wake between the
+        # two wrote a byte this read swallowed, leaving the flag set over an empty pipe, so every later
+        # wake wrote nothing and its thread slept out its poll timeout (1 s: a KV transfer's ack late).
         try:
             while os.read(self.rfd, 4096):
                 pass
         except (BlockingIOError, OSError):
             pass
+        self._pending = False
 
     def close(self) -> None:
         for fd in (self.rfd, self.wfd):

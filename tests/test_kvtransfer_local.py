@@ -1,6 +1,6 @@
 """KV connectors within one process (no rig of worker processes): what a process with a zmq connector
-does to its allocator, the receiver's ready_fd that wakes a decode worker's poller, and the shm
-sender's streaming block copy."""
+does to its allocator, the receiver's ready_fd that wakes a decode worker's poller, the shm
+sender's streaming block copy, and the wake pipe that no wake-up may slip past."""
 
 from __future__ import annotations
 
@@ -150,3 +150,32 @@ def test_streaming_block_copy_equals_a_plain_copy() -> None:
         with pytest.raises(IndexError):
             copy_blocks(ops, dst, dst_ids, src, src_ids, streaming=True)
     assert torch.equal(dst[2:27], src[:25]) and dst[27:].abs().sum() == 0  # nothing written
+
+
+def test_a_wake_during_drain_is_not_lost(monkeypatch) -> None:
+    """WakePipe: a wake that lands while the I/O thread drains must leave the next wake able to
+    write. Draining used to clear the flag before reading the pipe: a wake in between wrote a byte the
+    read swallowed, the flag stayed set over an empty pipe, and every later wake was lost until the
+    poll timed out (1 s: seen as a KV transfer's acknowledgement a second late, 1 run in ~12)."""
+    import select
+
+    from kvtransfer import common
+
+    pipe = common.WakePipe()
+    try:
+        pipe.wake()
+        real_read, woke = os.read, []
+
+        def read_with_a_wake_in_between(fd: int, n: int) -> bytes:
+            if not woke:  # another thread enqueues and wakes while drain() runs
+                woke.append(True)
+                pipe.wake()
+            return real_read(fd, n)
+
+        monkeypatch.setattr(common.os, "read", read_with_a_wake_in_between)
+        pipe.drain()
+        monkeypatch.setattr(common.os, "read", real_read)
+        pipe.wake()  # the next enqueue must make the pipe readable, or the thread sleeps out its poll
+        assert select.select([pipe.rfd], [], [], 0)[0] == [pipe.rfd]
+    finally:
+        pipe.close()
