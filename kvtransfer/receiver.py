@@ -220,9 +220,10 @@ class BaseReceiver(ReceiverIO, KVReceiver):
                 scatter_parts(self.ops, self.kv_scales[h.layer], h.dest_block_ids, a.scale)
         req.messages += 1
         req.nbytes += h.nbytes
-        req.covered[h.layer].update(h.dest_block_ids)
+        for layer in h.layers:
+            req.covered[layer].update(h.dest_block_ids)
+            self._events.append(LayerReceived(h.request_id, layer, a.t_ns))
         req.last_ns = time.monotonic_ns()
-        self._events.append(LayerReceived(h.request_id, h.layer, a.t_ns))
         self._try_complete(h.request_id, req)
 
     def _on_done(self, c: Control) -> None:

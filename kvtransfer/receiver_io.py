@@ -38,6 +38,7 @@ class ReceiverIO:
     """Attributes below are set up by BaseReceiver.__init__."""
 
     connector_name: str
+    write_fence: bool
     MAX_PEERS: int
     layout: CacheLayout
     peers: dict[bytes, Peer]
@@ -105,7 +106,11 @@ class ReceiverIO:
                 raise wire.ProtocolError(f"{msg['type']} from a sender that has not handshaken")
             info.stale = False
             if msg["type"] == "kv":
-                self._on_kv(peer, info, wire.parse_kv(msg, self.layout), frames[2:], t_ns)
+                header = wire.parse_kv(msg, self.layout)
+                if len(header.layers) > 1 and not self.write_fence:  # only where P writes D's memory itself
+                    raise wire.ProtocolError(f"kv: one message for several layers, but a {self.connector_name!r} "
+                                             "receiver takes each layer's blocks in its own message")
+                self._on_kv(peer, info, header, frames[2:], t_ns)
             elif msg["type"] in ("done", "cancel", "cancel_ack") and len(frames) == 2:
                 self._notify(Control(peer, msg, t_ns))
             else:

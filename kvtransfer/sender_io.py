@@ -39,6 +39,7 @@ class Outgoing:
     nbytes: int = 0  # payload bytes, for stats
     payload: torch.Tensor | None = None  # torch_dist: the flat buffer sent over the process group
     tag: int | None = None
+    payload_note: tuple[int, list[int]] | None = None  # shm: (layer, dest blocks) of a held notification
 
 
 @dataclass(slots=True)

@@ -4,9 +4,11 @@ D allocates its caches with `allocate_shared_kv_caches` (or `ShmConnector.alloca
 file in /dev/shm, pre-faulted once at start-up and mapped for the worker's lifetime, so a transfer
 allocates nothing and moves each byte once (P's block -> D's block, with streaming stores:
 kvtransfer/blocks.py copy_blocks). The handshake tells P the
-file and the per-layer offsets; per layer a small `kv` notification over ZMQ says which blocks are
-written. Because P writes D's memory itself, cancelling is fenced: D reports the cancel only after
-P confirms (under the lock its writes take) that it writes nothing more for that request.
+file and the per-layer offsets; a small `kv` notification over ZMQ says which blocks of which layers
+are written — held by P until the request's `done` and merged into one message for all layers
+(BaseSender.defer_notifications), so D's I/O thread wakes once per transfer, not once per layer.
+Because P writes D's memory itself, cancelling is fenced: D reports the cancel only after P confirms
+(under the lock its writes take) that it writes nothing more for that request.
 """
 
 from __future__ import annotations
@@ -183,6 +185,7 @@ class _Mapped:
 
 class ShmSender(BaseSender):
     connector_name = "shm"
+    defer_notifications = True
 
     def _on_connected(self, address: str, extra: dict[str, Any]) -> _Mapped:
         path, nbytes, num_blocks = extra.get("path"), extra.get("nbytes"), extra.get("num_blocks")
@@ -210,11 +213,39 @@ class ShmSender(BaseSender):
         if kv_scale is not None and state.scales is not None:
             copy_blocks(self.ops, state.scales[layer], dest, kv_scale, src, streaming=True)
             nbytes += len(src) * self.layout.scale_block_nbytes
-        crc = None
         if self.checksum:
             crc = wire.payload_crc(gather(self.ops, kv_cache, src).cpu(),
                                    None if kv_scale is None else gather(self.ops, kv_scale, src).cpu())
-        return Outgoing(request_id, wire.kv_header(self.layout, request_id, layer, dest, checksum=crc), nbytes=nbytes)
+            return Outgoing(request_id, wire.kv_header(self.layout, request_id, layer, dest, checksum=crc),
+                            nbytes=nbytes)
+        # Held until the request's done (defer_notifications); the header is written by _merge_held.
+        return Outgoing(request_id, b"", nbytes=nbytes, payload_note=(layer, dest))
+
+    def _merge_held(self, held: list[Outgoing]) -> list[Outgoing]:
+        """Runs of held notifications for the same blocks become one message naming all their layers
+        (a prompt sent in one go: one message for the whole transfer)."""
+        out: list[Outgoing] = []
+        run: list[Outgoing] = []
+
+        def close_run() -> None:
+            if run:
+                (layer, dest), layers = run[0].payload_note, [item.payload_note[0] for item in run]
+                header = wire.kv_header(self.layout, run[0].request_id, layer, dest,
+                                        layers=layers if len(layers) > 1 else None)
+                out.append(Outgoing(run[0].request_id, header, nbytes=sum(item.nbytes for item in run)))
+                run.clear()
+
+        for item in held:
+            if item.payload_note is None:  # a checksummed notification, complete as it is
+                close_run()
+                out.append(item)
+                continue
+            if run and (item.payload_note[1] != run[0].payload_note[1]
+                        or item.payload_note[0] in {r.payload_note[0] for r in run}):
+                close_run()
+            run.append(item)
+        close_run()
+        return out
 
 
 class ShmConnector(KVConnector):

@@ -64,6 +64,9 @@ class KV:
     scale_shape: Ints | None
     checksum: Count | None = field(default=None, metadata={"max": 0xFFFFFFFF})
     tag: Count | None = field(default=None, metadata={"max": MAX_TAG})
+    # Several layers' notification at once (shm: P wrote the same blocks of each into D's memory);
+    # `layer` is the first of them. No payload, no checksum.
+    layers: Ints | None = None
 
 
 @message("done")
@@ -114,26 +117,28 @@ class KVHeader:
     dest_block_ids: list[int]
     checksum: int | None
     tag: int | None
-    data_nbytes: int
+    data_nbytes: int  # of one layer
     scale_nbytes: int
+    layers: list[int]  # [layer], or the several layers one shm notification covers
 
     @property
     def nbytes(self) -> int:
-        return self.data_nbytes + self.scale_nbytes
+        return (self.data_nbytes + self.scale_nbytes) * len(self.layers)
 
 
 def kv_header(
     layout: CacheLayout, request_id: str, layer: int, dest_block_ids: list[int],
-    checksum: int | None = None, tag: int | None = None,
+    checksum: int | None = None, tag: int | None = None, layers: list[int] | None = None,
 ) -> bytes:
-    """The per-layer `kv` message. Its fields come checked (BaseSender.send_layer: request id, layer,
-    block ids; the rest from the layout), so it skips encode()'s walk over a few hundred ids."""
+    """The per-layer `kv` message (or, with `layers`, one for several layers' same blocks). Its fields
+    come checked (BaseSender.send_layer: request id, layer, block ids; the rest from the layout), so it
+    skips encode()'s walk over a few hundred ids."""
     n = len(dest_block_ids)
     return codec.pack_checked("kv", dict(
         request_id=request_id, layer=layer, dest_block_ids=dest_block_ids,
         dtype=layout.kv_cache_dtype, shape=[n, *layout.block_shape],
         scale_shape=[n, *layout.scale_block_shape] if layout.is_quantized else None,
-        checksum=checksum, tag=tag,
+        checksum=checksum, tag=tag, layers=layers,
     ))
 
 
@@ -147,6 +152,13 @@ def parse_kv(msg: dict[str, Any], layout: CacheLayout) -> KVHeader:
         raise ProtocolError("kv: duplicate dest_block_ids")
     if not msg["layer"] < layout.num_layers:
         raise ProtocolError(f"kv: layer {msg['layer']} out of range (model has {layout.num_layers})")
+    layers = msg.get("layers")
+    if layers is None:
+        layers = [msg["layer"]]
+    elif not layers or layers[0] != msg["layer"] or len(set(layers)) != len(layers) or max(
+            layers) >= layout.num_layers or msg.get("checksum") is not None:
+        raise ProtocolError(f"kv: layers {str(layers)[:40]} are not distinct layers of the model starting at "
+                            f"layer {msg['layer']} (and carry no checksum)")
     if msg["dtype"] != layout.kv_cache_dtype:
         raise ProtocolError(f"kv: dtype {msg['dtype']!r} but the cache is {layout.kv_cache_dtype!r}")
     if msg["shape"] != [n, *layout.block_shape]:
@@ -157,6 +169,7 @@ def parse_kv(msg: dict[str, Any], layout: CacheLayout) -> KVHeader:
     return KVHeader(
         request_id=msg["request_id"], layer=msg["layer"], dest_block_ids=ids, checksum=msg.get("checksum"),
         tag=msg.get("tag"), data_nbytes=n * layout.block_nbytes, scale_nbytes=n * layout.scale_block_nbytes,
+        layers=layers,
     )
 
 
