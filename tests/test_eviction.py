@@ -162,3 +162,22 @@ def test_engine_prefix_hits_differ_per_policy(model_path):
         answers[policy] = [o.token_ids for o in warm + [s_again, r_again]]
     # What is cached never changes what is generated.
     assert answers["lru"] == answers["lfu"] == answers["prefix_aware"]
+
+
+def test_the_invariant_check_catches_each_kind_of_broken_accounting():
+    """What a worker's heartbeat reports as `kv_invariant_ok` (counted in C now, so it is cheap on the
+    engine loop): a leaked reference, a negative count and a block missing from every list each fail."""
+    pool = _pool("lru", 8)
+    held = pool.allocate(3)
+    refs = [1 if b in held else 0 for b in range(8)]
+    pool.check_invariants(refs)
+    pool.ref_counts[held[0]] += 1  # a reference no live request holds
+    with pytest.raises(AssertionError, match="ref counts differ"):
+        pool.check_invariants(refs)
+    pool.ref_counts[held[0]] = -1
+    with pytest.raises(AssertionError, match="negative"):
+        pool.check_invariants(refs)
+    pool.ref_counts[held[0]] = 1
+    pool.free_empty.pop()  # a free block that is no longer anywhere
+    with pytest.raises(AssertionError, match="accounting broken"):
+        pool.check_invariants(refs)
