@@ -19,7 +19,7 @@ from tandem.engine.cuda_graphs import DecodeGraphs, graphs_for
 from tandem.engine.decode_group import MAX_DECODE_QUERY_LEN, decode_group
 from tandem.engine.interfaces.kv_quantizer import KVQuantizer, NoQuantizer
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
-from tandem.engine.step_inputs import held, step_metadata
+from tandem.engine.step_inputs import held, out_rows, step_metadata
 from tandem.layers.attention import AttentionMetadata
 from tandem.models.loader import load_model
 
@@ -94,12 +94,18 @@ class ModelRunner:
         if graphs is not None:
             hidden = graphs.run(input_ids, positions, slots, [held(s.request.block_ids) for s in decode],
                                 [s.request.num_computed_tokens + s.num_new_tokens for s in decode], decode_q)
+        narrow = False
         if hidden is None:  # eager: no graph for this step, or its capture failed
+            # Prompt rows that do not sample need nothing past the last layer's K/V, unless the final
+            # hidden states of every row are kept (EAGLE).
+            narrow = bool(prefill) and not (self.keep_hidden or self.hidden_layers) and sum(
+                k for _, _, k in sample_rows) < len(input_ids)
+            rows = out_rows(sample_rows, positions, dev) if narrow else None
             hidden = self.forward(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
-                                  step_metadata(self, decode, prefill, decode_q, slots))
+                                  step_metadata(self, decode, prefill, decode_q, slots, rows))
         # Copies, so a speculator holding a few rows does not keep the whole step's tensor alive.
         kept = {rid: (start, hidden[row:row + n].clone()) for rid, start, row, n in spans}
-        return self._finish(hidden, sample_rows, plain_masks, kept)
+        return self._finish(hidden, sample_rows, plain_masks, kept, narrowed=narrow)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model, then (for a speculator that reads them) its final hidden states into their cache layers."""
@@ -109,12 +115,13 @@ class ModelRunner:
                                       self.hidden_layers, meta.layer_hook)
         return hidden
 
-    def _finish(self, hidden: torch.Tensor, sample_rows: list, plain_masks: Any, kept: dict) -> StepResult:
-        """Logits of the rows that sample, and the sampled tokens."""
+    def _finish(self, hidden: torch.Tensor, sample_rows: list, plain_masks: Any, kept: dict,
+                narrowed: bool = False) -> StepResult:
+        """Logits of the rows that sample, and the sampled tokens (`narrowed`: hidden holds just those)."""
         if not sample_rows:
             return StepResult({}, {}, kept)
         rows = [i for _, start, k in sample_rows for i in range(start, start + k)]
-        if len(rows) < hidden.shape[0] or rows[-1] != len(rows) - 1:  # else every row, in order: no copy
+        if not narrowed and (len(rows) < hidden.shape[0] or rows[-1] != len(rows) - 1):  # else no copy
             hidden = hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
         result = self._sample(sample_rows, logits, plain_masks)

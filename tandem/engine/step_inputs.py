@@ -39,9 +39,24 @@ def start_loc(group: list[ScheduledRequest], device: torch.device) -> torch.Tens
     return torch.tensor(loc, dtype=torch.int32, device=device)
 
 
+def out_rows(sample_rows: list[tuple[ScheduledRequest, int, int]], positions: list[int],
+             device: torch.device) -> dict[str, torch.Tensor]:
+    """AttentionMetadata's out_rows fields for the rows that sample: (request, first row, rows) each."""
+    rows = [i for _, start, k in sample_rows for i in range(start, start + k)]
+    tables = [held(s.request.block_ids) for s, _, k in sample_rows for _ in range(k)]
+    width = max((len(t) for t in tables), default=1)
+    return dict(
+        out_rows=torch.tensor(rows, dtype=torch.long, device=device),
+        out_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables] or [[0]], dtype=torch.int32,
+                                      device=device)[:len(rows)],
+        out_seq_lens=torch.tensor([positions[i] + 1 for i in rows], dtype=torch.int32, device=device),
+    )
+
+
 def step_metadata(runner: Any, decode: list[ScheduledRequest], prefill: list[ScheduledRequest], decode_q: int,
-                  slots: list[int]) -> AttentionMetadata:
-    """The metadata of one eager step: the decode group's rows first, then the prefill group's."""
+                  slots: list[int], rows: dict[str, torch.Tensor] | None = None) -> AttentionMetadata:
+    """The metadata of one eager step: the decode group's rows first, then the prefill group's; `rows`
+    (out_rows()): the last layer computes only those."""
     dev = runner.device
     return AttentionMetadata(
         ops=runner.ops, kv_caches=runner.kv_caches, kv_scales=runner.kv_scales,
@@ -53,4 +68,5 @@ def step_metadata(runner: Any, decode: list[ScheduledRequest], prefill: list[Sch
         prefill_query_start_loc=start_loc(prefill, dev) if prefill else None,
         prefill_seq_lens=seq_lens(prefill, dev) if prefill else None,
         layer_hook=runner.layer_hook,
+        **(rows or {}),
     )

@@ -36,6 +36,13 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor | None  # [Bp + 1], relative to the prefill group
     prefill_seq_lens: torch.Tensor | None  # [Bp]
     layer_hook: Callable[[int], None] | None = None  # called after a layer's K/V is in the cache
+    # The rows whose final hidden states the step uses (the rows that sample), when that is fewer than
+    # all: the last layer stores every row's K/V, then attends, projects and runs its MLP for these rows
+    # only, each as a one-token query over the cache (its K/V and its prefix's are there by then). A
+    # prompt's other rows feed nothing after that layer's K/V. None: every row.
+    out_rows: torch.Tensor | None = None  # [K] ascending row indices
+    out_block_tables: torch.Tensor | None = None  # [K, M]: each row's sequence's blocks
+    out_seq_lens: torch.Tensor | None = None  # [K]: each row's position + 1
 
     @property
     def num_decode_tokens(self) -> int:
@@ -58,7 +65,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, out_rows_only: bool = False) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]; with `out_rows_only`, [K, hidden] for meta.out_rows."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].reshape(t, self.num_kv_heads, self.head_dim)
@@ -79,6 +87,8 @@ class Attention(nn.Module):
         ops.store_kv(k, v, cache, meta.slot_mapping, scales)
         if meta.layer_hook is not None:
             meta.layer_hook(self.layer_idx)
+        if out_rows_only:
+            return self._out_rows(q, ops, cache, scales, meta)
         nd = meta.num_decode_tokens
         if nd == t:
             out = self._decode(q, ops, cache, scales, meta)
@@ -93,6 +103,16 @@ class Attention(nn.Module):
                                       window=self.window),
             ])
         return self.o_proj(out.reshape(t, self.q_size))
+
+    def _out_rows(self, q, ops, cache, scales, meta: AttentionMetadata) -> torch.Tensor:
+        rows = meta.out_rows
+        assert rows is not None
+        if not len(rows):  # a step that samples nothing (a prompt's middle chunk): K/V was all it needed
+            return q.new_empty((0, self.o_proj.weight.shape[0]))
+        q = q.index_select(0, rows).reshape(len(rows), 1, self.num_heads, self.head_dim)
+        out = ops.paged_decode_attention(q, cache, meta.out_block_tables, meta.out_seq_lens, self.scale, scales,
+                                         window=self.window)
+        return self.o_proj(out.reshape(len(rows), self.q_size))
 
     def _decode(self, q, ops, cache, scales, meta: AttentionMetadata) -> torch.Tensor:
         b, ql = meta.num_decode_seqs, meta.decode_query_len

@@ -38,8 +38,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                out_rows_only: bool = False) -> torch.Tensor:
+        if out_rows_only:  # the last layer of a step with prompt rows that do not sample (AttentionMetadata)
+            h = self.self_attn(self.input_layernorm(x), rope, meta, out_rows_only=True)
+            assert meta.out_rows is not None
+            if not len(h):
+                return h
+            x, h = self.post_attention_layernorm.add_forward(x.index_select(0, meta.out_rows), h)
+            return x + self.mlp(h)
         if x.shape[0] <= fused_decode.MAX_ROWS:  # a small decode step: the whole layer in one C call
             out = fused_decode.run(self, x, rope, meta)
             if out is not None:
@@ -59,9 +66,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, meta)
-        return self.norm(x)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, meta, out_rows_only=i == last and meta.out_rows is not None)
+        return self.norm(x) if len(x) else x
 
 
 class LlamaForCausalLM(nn.Module):
