@@ -52,6 +52,7 @@ from pathlib import Path
 
 from bench.interference_client import Driver
 from bench.interference_procs import Worker, burner, pin, spawn, stop, wait_ready
+from bench.offline_throughput import build_model
 
 STREAM_PROMPT_LEN, WARM_TOKENS = 32, 3
 # phase labels: the table rows, and the keys of the ratios
@@ -245,9 +246,7 @@ def main() -> None:
     p_core, d_core = ({cpus[0]}, {cpus[1]}) if len(cpus) >= 2 else (None, None)
     tmp = Path(tempfile.mkdtemp(prefix="tandem-interference-"))
     model = args.model
-    if model is None:
-        from bench.offline_throughput import build_model
-
+    if model is None:  # the 55M benchmark Llama, built in the run's temp dir
         model = str(tmp / "model")
         build_model(model)
     cfg = json.loads((Path(model) / "config.json").read_text())

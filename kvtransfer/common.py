@@ -61,6 +61,27 @@ def check_block_ids(ids: Any, num_blocks: int | None, what: str) -> list[int]:
     return ids if isinstance(ids, list) else list(ids)
 
 
+class TransferIds:
+    """send_layer's block-id check, memoised: a prompt's layers go out with the same ids, so the walk
+    over a few hundred ids runs once, not per layer. The checked copies are what it returns, so an
+    equal list of look-alikes (1.0, True) never reaches a copy."""
+
+    def __init__(self) -> None:
+        self.last: tuple[int, list[int], list[int]] | None = None
+
+    def check(self, src_ids: Any, dest_ids: Any, num_blocks: int) -> tuple[list[int], list[int]]:
+        last = self.last
+        if last is not None and last[0] == num_blocks and last[1] == src_ids and last[2] == dest_ids:
+            return last[1], last[2]
+        src = list(check_block_ids(src_ids, num_blocks, "src_block_ids"))
+        dest = list(check_block_ids(dest_ids, None, "dest_block_ids"))
+        if len(src) != len(dest) or not src:
+            raise ValueError(f"src_block_ids and dest_block_ids must be non-empty and equally long "
+                             f"({len(src)} vs {len(dest)})")
+        self.last = (num_blocks, src, dest)
+        return src, dest
+
+
 def check_cache(layout: CacheLayout, kv_cache: Any, kv_scale: Any, what: str) -> None:
     """One layer's cache (and scale) against the layout; any number of blocks."""
     if not isinstance(kv_cache, torch.Tensor) or tuple(kv_cache.shape[1:]) != layout.block_shape:

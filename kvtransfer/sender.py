@@ -35,7 +35,7 @@ import zmq
 from kernels import get_ops
 from kvtransfer import wire
 from kvtransfer.base import CacheLayout, HandshakeError, KVSender, SenderStats
-from kvtransfer.common import DropLog, WakePipe, check_block_ids, check_cache, check_request_id
+from kvtransfer.common import DropLog, TransferIds, WakePipe, check_cache, check_request_id
 from kvtransfer.sender_io import Link, Outgoing, SenderIO
 from tandem.protocol import security
 
@@ -85,7 +85,7 @@ class BaseSender(SenderIO, KVSender):
         self._finishing: dict[str, Future] = {}
         self._finishing_to: dict[str, str] = {}  # request id -> its receiver, while finishing
         self._connected: dict[str, Any] = {}  # address -> connector state, caller-thread side
-        self._last_ids: tuple[int, list[int], list[int]] | None = None  # _checked_ids' memo
+        self._ids = TransferIds()
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._links: dict[str, Link] = {}  # I/O thread only
         self._drops = DropLog(log)
@@ -160,7 +160,7 @@ class BaseSender(SenderIO, KVSender):
         if not isinstance(layer, int) or not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer must be in [0, {self.layout.num_layers}), got {layer!r}")
         check_cache(self.layout, kv_cache, kv_scale, "kv_cache")
-        src, dest = self._checked_ids(src_block_ids, dest_block_ids, kv_cache.shape[0])
+        src, dest = self._ids.check(src_block_ids, dest_block_ids, kv_cache.shape[0])
         with self._lock:
             if request_id in self._cancelled:
                 return  # cancelled (here or by the receiver): nothing more goes out for it
@@ -179,22 +179,6 @@ class BaseSender(SenderIO, KVSender):
             req.held.append(item)
             if time.monotonic() - req.held_since > self.HOLD_S:
                 self._release_held(conn, req)
-
-    def _checked_ids(self, src_block_ids: Any, dest_block_ids: Any, num_blocks: int) -> tuple[list[int], list[int]]:
-        """The id lists checked, or the lists checked for the previous layer when these equal them
-        (a prompt's layers go out with the same ids: the walk over a few hundred ids once, not per
-        layer). The checked copies are returned, so an equal list of look-alikes (1.0, True) never
-        reaches the copy."""
-        last = self._last_ids
-        if last is not None and last[0] == num_blocks and last[1] == src_block_ids and last[2] == dest_block_ids:
-            return last[1], last[2]
-        src = list(check_block_ids(src_block_ids, num_blocks, "src_block_ids"))
-        dest = list(check_block_ids(dest_block_ids, None, "dest_block_ids"))
-        if len(src) != len(dest) or not src:
-            raise ValueError(f"src_block_ids and dest_block_ids must be non-empty and equally long "
-                             f"({len(src)} vs {len(dest)})")
-        self._last_ids = (num_blocks, src, dest)
-        return src, dest
 
     def _release_held(self, conn: _Conn, req: _Request) -> None:
         """Caller holds the lock: send the request's held notifications, in order (merged by the

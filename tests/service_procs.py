@@ -1,5 +1,6 @@
 """Helpers for tests that run tandem services as real processes on loopback: start/stop a process
-with its output in a log file, wait for a line, and small HTTP / ZMQ / gRPC client calls."""
+with its output in a log file, wait for a line, small HTTP (SSE too) / ZMQ / gRPC client calls, and a
+prefill or decode worker driven directly, with a router stand-in (Client)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import grpc
 import msgpack
 import zmq
 
+from tandem.protocol import messages
 from tandem.protocol.codec import PROTOCOL_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,3 +224,64 @@ def start_serving(ckpt: str, log_dir: Path, *router_flags: str, disaggregated: b
         stop_all(procs)
         raise
     return procs, ep
+
+
+def sse(http: str, path: str, body: dict) -> list[dict]:
+    """POST a streaming request; every SSE event's JSON, [DONE] left out."""
+    req = urllib.request.Request(f"{http}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=60) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+# ---- a worker driven directly (no router): tests/test_disagg.py and others --------------------------
+ENGINE = ["--num-kv-blocks", "512", "--max-model-len", "1024", "--dtype", "float32"]  # fp32 on a GPU too
+GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+
+
+def start_worker(role, ckpt, log_dir, *flags, name=None):
+    """A prefill or decode worker process on loopback, and its ready line's JSON."""
+    proc = Proc(name or role, [sys.executable, "-m", "tandem.cli", role, "--model", ckpt,
+                               "--listen", "tcp://127.0.0.1:0", *ENGINE, *flags], log_dir)
+    return proc, json.loads(proc.wait_for(rf"tandem-{role}-ready (\{{.*\}})").group(1))
+
+
+class Client:
+    """A router stand-in: one DEALER socket to a decode worker."""
+
+    def __init__(self, address):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.tokens, self.finished = {}, {}
+
+    def add(self, rid, token_ids, peer, sampling=GREEDY):
+        self.sock.send(messages.encode("add_request", id=rid, token_ids=token_ids, sampling=sampling,
+                                       prefill_peer=peer))
+
+    def collect(self, ids, timeout=120):
+        deadline = time.monotonic() + timeout
+        while not set(ids) <= set(self.finished) and time.monotonic() < deadline:
+            if self.sock.poll(200):
+                msg = messages.decode(self.sock.recv())
+                assert msg["type"] == "output", msg
+                self.tokens.setdefault(msg["id"], []).extend(msg["token_ids"])
+                if msg["finished"]:
+                    self.finished[msg["id"]] = msg
+        missing = set(ids) - set(self.finished)
+        assert not missing, f"requests never finished: {sorted(missing)}"
+        return {i: self.tokens.get(i, []) for i in ids}
+
+    def request(self, msg_type, **fields):
+        self.sock.send(messages.encode(msg_type, **fields))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.sock.poll(200):
+                msg = messages.decode(self.sock.recv())
+                if msg["type"] == f"{msg_type}_reply":
+                    return msg
+        raise AssertionError(f"no {msg_type}_reply")

@@ -9,7 +9,7 @@ import time
 import msgpack
 import pytest
 import zmq
-from service_procs import Proc, stop_all, worker_stats
+from service_procs import GREEDY, Client, start_worker, stop_all, worker_stats
 from tiny_models import make_checkpoint
 
 from tandem import LLM, SamplingParams
@@ -18,8 +18,6 @@ from tandem.protocol import messages
 pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not slow'
 
 CONNECTORS = ["zmq", "shm", "torch_dist"]
-ENGINE = ["--num-kv-blocks", "512", "--max-model-len", "1024", "--dtype", "float32"]  # fp32 on a GPU too
-GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -30,53 +28,6 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def offline(ckpt):
     return LLM(ckpt, num_kv_blocks=512, max_model_len=1024, dtype="float32")
-
-
-def start_worker(role, ckpt, log_dir, *flags, name=None):
-    import sys
-
-    proc = Proc(name or role, [sys.executable, "-m", "tandem.cli", role, "--model", ckpt,
-                               "--listen", "tcp://127.0.0.1:0", *ENGINE, *flags], log_dir)
-    import json
-
-    return proc, json.loads(proc.wait_for(rf"tandem-{role}-ready (\{{.*\}})").group(1))
-
-
-class Client:
-    """A router stand-in: one DEALER socket to a decode worker."""
-
-    def __init__(self, address):
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-        self.tokens, self.finished = {}, {}
-
-    def add(self, rid, token_ids, peer, sampling=GREEDY):
-        self.sock.send(messages.encode("add_request", id=rid, token_ids=token_ids, sampling=sampling,
-                                       prefill_peer=peer))
-
-    def collect(self, ids, timeout=120):
-        deadline = time.monotonic() + timeout
-        while not set(ids) <= set(self.finished) and time.monotonic() < deadline:
-            if self.sock.poll(200):
-                msg = messages.decode(self.sock.recv())
-                assert msg["type"] == "output", msg
-                self.tokens.setdefault(msg["id"], []).extend(msg["token_ids"])
-                if msg["finished"]:
-                    self.finished[msg["id"]] = msg
-        missing = set(ids) - set(self.finished)
-        assert not missing, f"requests never finished: {sorted(missing)}"
-        return {i: self.tokens.get(i, []) for i in ids}
-
-    def request(self, msg_type, **fields):
-        self.sock.send(messages.encode(msg_type, **fields))
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.sock.poll(200):
-                msg = messages.decode(self.sock.recv())
-                if msg["type"] == f"{msg_type}_reply":
-                    return msg
-        raise AssertionError(f"no {msg_type}_reply")
 
 
 def workload(seed=0):

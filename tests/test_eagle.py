@@ -48,9 +48,8 @@ def test_greedy_identical_with_random_head_on_tiny_checkpoint(tiny):
 
 
 def test_head_takes_the_targets_dtype():
-    """A bf16 target (a GPU's default dtype) gets a bf16 head: the head's weights once stayed fp32 and
-    its first draft pass failed on a GPU ("mat1 and mat2 ... BFloat16 != float"). It drafts, is
-    accepted, and changes no greedy token."""
+    """A bf16 target (a GPU's default) gets a bf16 head (its weights once stayed fp32: the first draft
+    failed on a GPU). It drafts, is accepted, and changes no greedy token."""
     prompts = ["def fibonacci(n):\n    ", "import os\nimport sys\n"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm = LLM(max_model_len=256, spec_max_batch=8, speculator="eagle", dtype="bfloat16")
@@ -266,8 +265,7 @@ def test_disaggregated_decode_worker_drafts_with_eagle(shipped, tmp_path):
     prompt; output equals the colocated run and D's drafts are accepted. A P without the speculator
     has another cache layout: D's handshake refuses it, naming the difference, and D computes the
     prompts itself — same output, nothing lost."""
-    from service_procs import stop_all, worker_stats
-    from test_disagg import Client, start_worker
+    from service_procs import Client, start_worker, stop_all, worker_stats
     from test_observability import scrape, total
 
     from tandem.default_model import default_model_path

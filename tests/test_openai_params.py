@@ -20,6 +20,7 @@ from service_procs import (
     grpc_stub,
     post,
     router_endpoints,
+    sse,
     start_router,
     stop_all,
     wait_workers,
@@ -68,17 +69,6 @@ def complete(http, **body):
     status, _, out = post(f"{http}/v1/completions", {"model": "ckpt", **body})
     assert status == 200, out
     return out
-
-
-def sse(http: str, path: str, body: dict) -> list[dict]:
-    req = urllib.request.Request(f"{http}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    events = []
-    with urllib.request.urlopen(req, timeout=60) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[6:]))
-    return events
 
 
 # ---- n ---------------------------------------------------------------------------------------------

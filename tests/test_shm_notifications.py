@@ -139,11 +139,11 @@ def test_block_ids_are_checked_once_per_prompt_and_whenever_they_change(pair) ->
     src = torch.randn(8, *LAYOUT.block_shape)
     rx.expect("r", [3, 4])
     tx.send_layer(rx.address, "r", 0, src, None, [0, 1], [3, 4])
-    checked = tx._last_ids
+    checked = tx._ids.last
     tx.send_layer(rx.address, "r", 1, src, None, [0, 1], [3, 4])
-    assert tx._last_ids is checked  # the same lists: not walked again
+    assert tx._ids.last is checked  # the same lists: not walked again
     tx.send_layer(rx.address, "r", 2, src, None, [0, True], [3.0, 4])  # equal look-alikes: the checked ints go
-    assert tx._last_ids is checked
+    assert tx._ids.last is checked
     with pytest.raises(ValueError, match="src_block_ids"):
         tx.send_layer(rx.address, "r", 3, src, None, [0, 8], [3, 4])  # 8 is past P's 8 blocks
     with pytest.raises(ValueError, match="dest_block_ids"):

@@ -9,8 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from service_procs import stop_all, worker_stats
-from test_disagg import Client, start_worker
+from service_procs import Client, start_worker, stop_all, worker_stats
 from tiny_models import hf_greedy, make_checkpoint
 
 from tandem import LLM, SamplingParams
