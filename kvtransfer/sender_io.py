@@ -62,6 +62,7 @@ class SenderIO:
     layout: CacheLayout
     stats: SenderStats
     _lock: threading.RLock
+    _book: threading.RLock
     _requests: dict
     _finishing: dict[str, Future]
     _commands: queue.SimpleQueue
@@ -98,7 +99,7 @@ class SenderIO:
         for link in self._links.values():
             if link.hello is not None and not link.hello.done():
                 link.hello.set_exception(HandshakeError("sender closed"))
-        with self._lock:
+        with self._book:
             for fut in list(self._finishing.values()):
                 if not fut.done():
                     fut.set_result(False)
@@ -149,7 +150,7 @@ class SenderIO:
                 return
             link.pending.popleft()
             if item.nbytes:
-                with self._lock:
+                with self._book:
                     self.stats.bytes_sent += item.nbytes
         if link.want_out:
             self._poller.modify(link.sock, zmq.POLLIN)
@@ -173,12 +174,12 @@ class SenderIO:
                 else:
                     link.hello.set_exception(HandshakeError(f"{link.address} refused the handshake: {msg['reason']}"))
             elif kind == "done_ack":
-                with self._lock:
-                    fut = self._finishing.get(msg["request_id"])
                 if not msg["ok"]:
                     log.warning("kv_transfer_refused", request_id=msg["request_id"], reason=msg["reason"])
-                if fut is not None and not fut.done():
-                    fut.set_result(msg["ok"])
+                with self._book:  # not _lock: a copy in progress holds that
+                    fut = self._finishing.get(msg["request_id"])
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg["ok"])
             elif kind == "cancel":
                 rid = msg["request_id"]
                 with self._lock:  # waits out an shm write in progress: after this none starts

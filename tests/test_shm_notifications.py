@@ -152,3 +152,21 @@ def test_block_ids_are_checked_once_per_prompt_and_whenever_they_change(pair) ->
     fut = tx.finish_async("r")
     assert any(isinstance(e, TransferDone) for e in _events(rx, TransferDone))
     assert fut.result(timeout=5) is True
+
+
+def test_an_acknowledgement_does_not_wait_for_a_copy_in_progress(pair) -> None:
+    """D's done_ack resolves the finish Future on P's I/O thread while the caller's thread holds the
+    sender lock (as it does for a whole layer's copy into D's memory): streamed transfers no longer
+    hand that lock back and forth with the acknowledgements of the ones before."""
+    tx, rx, _ = pair
+    src = torch.randn(8, *LAYOUT.block_shape)
+    rx.expect("first", [1])
+    for layer in range(LAYOUT.num_layers):
+        tx.send_layer(rx.address, "first", layer, src, None, [0], [1])
+    fut = tx.finish_async("first")
+    with tx._lock:  # a copy of the next request's layer, in progress
+        deadline = time.monotonic() + 5
+        while not fut.done() and time.monotonic() < deadline:
+            rx.poll(20)
+        assert fut.done() and fut.result() is True
+        assert tx.stats.transfers == 1
