@@ -229,3 +229,23 @@ def test_a_model_that_fights_its_grammar_gets_masks_first(grammars):
     for _ in range(10):
         state.record(False)
     assert not state.masks_first(greedy)
+
+
+def test_without_threads_masks_are_the_same_and_no_thread_computes_them(grammars, tokenizer):
+    """A CPU engine's Grammars(threads=False) computes a batch's masks on the caller's thread, one
+    matcher after another (llguidance's pool beside the forward's OpenMP threads set off ThreadBackoff),
+    and gets the same words as llguidance's executor."""
+    config = json.loads((TARGET / "config.json").read_text())
+    serial = Grammars((TARGET / "tokenizer.json").read_text(), config["vocab_size"], [config["eos_token_id"]],
+                      threads=False)
+    both = []
+    for g in (grammars, serial):
+        states = []
+        for text in ["", "ab", "a b c", "zz9", "hello", "x1"] * 2:
+            state = g.state({"regex": "[a-z ]*[0-9]?"})
+            state.sync(tokenizer.encode(text, add_special_tokens=False))
+            states.append(state)
+        both.append(g.allowed_batch_async(states).result())
+    assert len(both[0]) > structured.INLINE_ROWS
+    assert both[0].equal(both[1])
+    assert serial._executor is None and serial._mask_pool is None

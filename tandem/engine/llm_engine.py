@@ -156,7 +156,8 @@ class LLMEngine:
         from tandem.engine.structured import Grammars
 
         with open(os.path.join(self.config.model, "tokenizer.json"), encoding="utf-8") as f:
-            return Grammars(f.read(), self.model_config.vocab_size, sorted(self.eos_token_ids))
+            return Grammars(f.read(), self.model_config.vocab_size, sorted(self.eos_token_ids),
+                            threads=self.config.torch_device.type != "cpu")
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams) -> str:
         req = self.make_request(request_id, prompt, params)

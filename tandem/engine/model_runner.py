@@ -133,7 +133,8 @@ class ModelRunner:
         """Structured outputs: a future of (rows among the plain ones, their allowed-token masks), for
         the rows masked before sampling (top-k / top-p / min-p, or a model that keeps fighting its
         grammar: GrammarState.masks_first); the others are checked after (`_check_grammar`).
-        llguidance computes them on its own threads, without the GIL, while the forward pass runs."""
+        On a GPU llguidance computes them on its own threads, without the GIL, while the forward pass
+        runs; on a CPU, here and now (structured.py: the forward's threads hold every core)."""
         plain = [s.request for s, _, _ in sample_rows if not s.spec_token_ids]
         constrained = [i for i, r in enumerate(plain) if r.grammar is not None]
         for i in constrained:

@@ -39,6 +39,11 @@ from tandem.sampling_params import check_structured as check_spec
 CACHE_SIZE = 256
 MISS_RATE_LIMIT, MISS_DECAY, PROBE_EVERY = 0.5, 0.9, 16  # see GrammarState.masks_first
 INLINE_ROWS = 4  # up to this many constrained rows, masks are computed inline (no thread hand-off)
+# On a CPU engine masks are computed on the engine thread, one matcher after another, never by
+# llguidance's thread pool or the helper thread: the forward pass's OpenMP threads hold every core, so
+# those threads beside them made the engine's run-queue wait look like a neighbour's, and ThreadBackoff
+# dropped it to one thread for >= 5 s after a structured batch of more than INLINE_ROWS rows — every
+# request, constrained or not, ~30% slower (55M model, batch 16: 1052 -> 706-725 tok/s unconstrained).
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
 
@@ -89,8 +94,9 @@ def _kind_text(spec: dict[str, Any]) -> str:
 class Grammars:
     """Compiles and caches grammars for one tokenizer (vocabulary `vocab_size`, the model's rows)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], threads: bool = True) -> None:
         self.vocab_size = vocab_size
+        self.threads = threads  # batched masks on llguidance's threads (False: a CPU engine, see above)
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids or None)
         added = json.loads(tokenizer_json).get("added_tokens") or []
         self.think_tags = {t["content"]: t["id"] for t in added if t.get("special") and t["content"] in
@@ -136,8 +142,12 @@ class Grammars:
         """Bit masks (int32 words [len(states), mask_words], `.result()`) for many requests at once:
         llguidance fills one buffer in parallel (its threads run without the GIL) on a helper thread,
         overlapping the forward pass; a few rows (or `inline`) are cheaper done at once than handed
-        over (the hand-off costs more than their masks)."""
+        over (the hand-off costs more than their masks). Without `threads`: each row in turn, here."""
         words = torch.empty((len(states), self.mask_words), dtype=torch.int32)
+        if not self.threads:
+            for i, state in enumerate(states):
+                state.matcher.unsafe_compute_mask_ptr(words.data_ptr() + i * self.mask_words * 4, self.mask_words * 4)
+            return PendingMasks(None, words, self.vocab_size)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
         items = [(s.matcher, i) for i, s in enumerate(states)]
