@@ -199,3 +199,30 @@ def test_small_batch_plan_follows_a_replaced_or_written_weight_and_bias():
     layer.weight = torch.nn.Parameter(torch.randn(32, 64))  # replaced by a plain fp32 weight
     check()
     assert layer._plan is not None and not layer._plan[3]  # the fp32 kernel
+
+
+def test_row_buckets_bound_the_padding_and_the_number_of_shapes():
+    """Above BUCKET_FROM rows a oneDNN product runs at a bucketed row count (oneDNN builds a primitive
+    per row count, ~1 ms per shape): never fewer rows, little padding, few distinct counts."""
+    assert [lin.bucket_rows(r) for r in (0, 1, lin.BUCKET_FROM)] == [0, 1, lin.BUCKET_FROM]
+    for rows in range(lin.BUCKET_FROM + 1, 8193):
+        padded = lin.bucket_rows(rows)
+        assert rows <= padded <= rows * 1.125 and (rows < 256 or padded <= rows * 1.032)
+        assert lin.bucket_rows(padded) == padded
+    assert len({lin.bucket_rows(r) for r in range(lin.BUCKET_FROM + 1, 4097)}) <= 160
+
+
+@pytest.mark.skipif(lin.backend() != "onednn", reason="oneDNN is not available in this torch build")
+@pytest.mark.parametrize("rows", [65, 257, 300, 1001])
+def test_products_past_the_bucket_start_run_padded_and_give_the_same_rows(monkeypatch, rows):
+    seen = []
+    real = lin._ONEDNN
+    monkeypatch.setattr(lin, "_ONEDNN", lambda *a: seen.append(a[0].shape[0]) or real(*a))
+    torch.manual_seed(rows)
+    layer = lin.Linear(96, 40)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        got = layer(x)
+    assert seen == [lin.bucket_rows(rows)] and seen[0] > rows
+    assert got.shape == (rows, 40) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
