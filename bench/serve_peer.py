@@ -2,7 +2,7 @@
 same checkpoint, measured by one client -- vLLM's own `vllm bench serve` -- for every server.
 
     python -m bench.serve_peer --vllm-python /path/to/vllm-venv/bin/python \
-        [--model DIR] [--rates 2,8[,inf]] [--num-prompts 40] [--input-len 256] [--output-len 64] \
+        [--model DIR] [--rates 2,8[,inf]] [--num-prompts 40] [--input-len 256] [--output-len 64] [--range-ratio 0] \
         [--modes vllm,tandem-pd,tandem-colocated[,tandem-pd-cond]] [--omp-variants unset[,exported]] [--out FILE]
 
 Each mode starts its server as a child process group on 127.0.0.1 (free ports), waits for /health,
@@ -62,6 +62,7 @@ def run_client(a, base: str, served: str, rate: str, seed: int, result: Path, en
            "--base-url", base, "--endpoint", "/v1/completions", "--model", served,
            "--tokenizer", a.model, "--dataset-name", "random",
            "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
+           "--random-range-ratio", str(a.range_ratio),
            "--request-rate", rate, "--num-prompts", str(a.num_prompts), "--ignore-eos",
            "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
            "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(result.parent),
@@ -150,6 +151,8 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=40)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="lengths drawn from [len x (1 - R), len x (1 + R)] (vllm bench serve --random-range-ratio)")
     p.add_argument("--modes", default="vllm,tandem-pd,tandem-colocated")
     p.add_argument("--omp-variants", default="unset",
                    help="unset: OMP_NUM_THREADS removed; exported: set to the core count")
