@@ -90,6 +90,8 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=40)
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="prompt lengths drawn from [input-len x (1 - R), input-len x (1 + R)], as serve_peer's")
     p.add_argument("--up-args", default="", help="more `tandem up` arguments, e.g. '--colocated'")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dump", help="write every request's stage times (ms, in send order) to this JSON file")
@@ -104,6 +106,11 @@ def main() -> None:
         model = json.loads(urllib.request.urlopen(server.base + "/v1/models").read())["data"][0]["id"]
         warm_up(server.base, model, a.input_len)
         rng, sent = random.Random(a.seed), {}
+        low, high = round(a.input_len * (1 - a.range_ratio)), round(a.input_len * (1 + a.range_ratio))
+
+        def length(rng: random.Random) -> int:
+            return rng.randint(max(1, low), max(1, high))
+
         vocab = 2000  # token ids every shipped tokenizer has; the prompt's text does not matter here
 
         def one(rid: str, prompt: list[int]) -> None:
@@ -112,7 +119,7 @@ def main() -> None:
         threads = []
         for i in range(a.num_prompts):
             rid = f"ttft-{os.getpid()}-{i}"
-            t = threading.Thread(target=one, args=(rid, [rng.randrange(10, vocab) for _ in range(a.input_len)]))
+            t = threading.Thread(target=one, args=(rid, [rng.randrange(10, vocab) for _ in range(length(rng))]))
             t.start()
             if a.rate <= 0:
                 t.join()
@@ -133,7 +140,8 @@ def main() -> None:
     # Two paths when the router keeps some prompts on D (--local-prefill-if-busy): a table for each.
     remote = [r for r in rows if any(k.startswith("prefill-") for k in r)]
     local = [r for r in rows if r not in remote]
-    print(f"{len(rows)} requests, {a.rate:g} req/s, {a.input_len}-token prompts; ms after the client sent each")
+    span = f"{a.input_len}" if not a.range_ratio else f"{low}-{high}"
+    print(f"{len(rows)} requests, {a.rate:g} req/s, {span}-token prompts; ms after the client sent each")
     for name, group in (("prefilled by a prefill worker", remote), ("prefilled by their decode worker", local)):
         if group and (remote and local):
             print(f"-- {len(group)} {name}")
