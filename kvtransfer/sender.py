@@ -76,11 +76,11 @@ class BaseSender(SenderIO, KVSender):
         self.checksum = checksum
         self.stats = SenderStats()
         self.sender_id = uuid.uuid4().hex
-        # requests and cancelled; and shm writes (the fence): held for a whole layer's copy.
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # requests, cancelled; shm writes (the fence): a layer's copy
         # finish Futures and stats, which D's acks touch on the I/O thread: apart from _lock so an ack
         # never waits out a copy (with one lock, streamed shm transfers lost ~0.4 ms each handing it
-        # back and forth). Taken after _lock, never before; reentrant: resolving a Future runs callbacks.
+        # back and forth). Taken after _lock, never before; Futures resolve under it (reentrant), so their
+        # callbacks must not call back into the sender.
         self._book = threading.RLock()
         self._requests: dict[str, _Request] = {}
         self._cancelled: OrderedDict[str, None] = OrderedDict()
