@@ -146,3 +146,37 @@ def test_prompt_logprobs_equal_transformers_also_from_the_prefix_cache(llm):
             want = set(ref[pos].topk(3).indices.tolist()) | {prompt[pos + 1]}
             assert set(entry) == want
             assert all(math.isclose(entry[t], float(ref[pos, t]), abs_tol=1e-4) for t in want)
+
+
+def test_top_p_over_a_large_vocabulary_keeps_what_the_full_sort_keeps():
+    """filter_logits takes the nucleus from the TOP_P_CANDIDATES best tokens when they hold top_p of
+    the mass (a peaked row) and sorts the whole row otherwise (a flat one): both keep exactly the
+    smallest most-likely set whose mass reaches top_p."""
+    from tandem.engine import sampler
+
+    from_candidates = 0
+    for seed, scale in [(0, 0.5), (1, 8.0), (2, 3.0)]:
+        row = torch.randn(20000, generator=torch.Generator().manual_seed(seed)) * scale
+        probs = torch.softmax(row, -1)
+        sp, order = probs.sort(descending=True)
+        for top_p in (0.5, 0.9, 0.99):
+            from_candidates += float(sp[:sampler.TOP_P_CANDIDATES].sum()) >= top_p
+            drop = torch.zeros(20000, dtype=torch.bool).scatter(0, order, (sp.cumsum(0) - sp) >= top_p)
+            want = probs.masked_fill(drop, 0.0)
+            torch.testing.assert_close(filter_logits(row, SamplingParams(top_p=top_p)), want / want.sum(),
+                                       atol=1e-7, rtol=0)
+    assert 0 < from_candidates < 9  # both routes taken
+
+
+def test_a_draw_follows_the_distribution_and_never_takes_a_zero():
+    from tandem.engine.sampler import draw
+
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(6)
+    for _ in range(20000):
+        counts[draw(probs, g)] += 1
+    assert counts[[0, 2, 5]].sum() == 0
+    live = probs > 0
+    expected = probs[live] * 20000
+    assert float(((counts[live] - expected) ** 2 / expected).sum()) < 13.8  # chi-square, 2 dof, p = 0.001
