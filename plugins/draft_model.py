@@ -24,7 +24,7 @@ from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.logits_processors import scale_repeated
 from tandem.engine.model_runner import position_seed
 from tandem.engine.request import Request
-from tandem.engine.sampler import filter_logits
+from tandem.engine.sampler import draw, filter_logits
 from tandem.layers.attention import AttentionMetadata
 from tandem.models.config import ModelConfig
 from tandem.models.loader import load_model
@@ -171,7 +171,7 @@ def sample_drafts(batch: list[tuple[Request, int]], logits: torch.Tensor, tokens
         q = filter_logits(logits[i].float().cpu(), r.params)
         if r.generator is not None:  # drafts of a seeded request depend on its tokens alone (migration)
             r.generator.manual_seed(position_seed(r.params.seed, r.num_tokens + len(tokens[r.request_id]), 1))
-        drawn = int(torch.multinomial(q, 1, generator=r.generator or generator))
+        drawn = draw(q, r.generator or generator)
         if draft_ids is not None:  # back to target ids; the target's other tokens were drafted with q = 0
             drawn, q = int(draft_ids[drawn]), q.new_zeros(vocab_size).index_copy_(0, draft_ids, q)
         tokens[r.request_id].append(drawn)

@@ -27,7 +27,7 @@ import torch
 
 from kernels import fused
 from tandem.engine.request import Request
-from tandem.engine.sampler import filter_logits
+from tandem.engine.sampler import draw, filter_logits
 from tandem.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,8 +56,7 @@ def rejection_verify(target_probs: torch.Tensor, draft: list[int], draft_probs: 
     accepted = (u * q_x < p_x).tolist()
     n = accepted.index(False) if False in accepted else k
     if n == k:
-        bonus = torch.multinomial(target_probs[k], 1, generator=generator)
-        return list(draft) + [int(bonus)]
+        return list(draft) + [draw(target_probs[k], generator)]
     p = target_probs[n]
     if draft_probs is not None:
         residual = (p - draft_probs[n]).clamp_min(0.0)
@@ -66,8 +65,7 @@ def rejection_verify(target_probs: torch.Tensor, draft: list[int], draft_probs: 
         residual[draft[n]] = 0.0
     if float(residual.sum()) <= 0.0:  # p == q up to rounding: a rejection had probability ~0
         residual = p
-    y = torch.multinomial(residual / residual.sum(), 1, generator=generator)
-    return list(draft[:n]) + [int(y)]
+    return list(draft[:n]) + [draw(residual / residual.sum(), generator)]
 
 
 def verify(logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None, params: SamplingParams,
