@@ -25,10 +25,10 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         # The most likely tokens, in order: TOP_P_CANDIDATES of them when they hold top_p of the mass
         # (sorting a 32k vocabulary took 2.2 ms a row on a CPU; the candidates ~0.3), else all.
-        k = min(TOP_P_CANDIDATES, probs.shape[-1])
-        few = k == probs.shape[-1] or float(probs.max()) * k >= params.top_p  # else they cannot hold it
-        sorted_p, order = probs.topk(k) if few else (None, None)
-        if sorted_p is None or (k < probs.shape[-1] and float(sorted_p.sum()) < params.top_p):
+        k = TOP_P_CANDIDATES
+        few = k < probs.shape[-1] and float(probs.max()) * k >= params.top_p  # else they cannot hold it
+        sorted_p, order = probs.topk(k) if few else probs.sort(descending=True)
+        if few and float(sorted_p.sum()) < params.top_p:
             sorted_p, order = probs.sort(descending=True)
         # Keep the smallest set whose mass reaches top_p: drop a token if the mass before it already does.
         keep = order[(sorted_p.cumsum(-1) - sorted_p) < params.top_p]
