@@ -58,7 +58,8 @@ step offline "${LIMIT_OFFLINE:-90}" $py -m bench.offline_throughput
 step kernel_tests "${LIMIT_TESTS:-100}" $py -m pytest -q -p no:cacheprovider $xdist tests/test_kernels.py \
     tests/test_kernels_engine.py tests/test_sliding_window_kernels.py
 step features "${LIMIT_FEATURES:-150}" $py -m pytest -q -p no:cacheprovider $xdist tests/test_eagle.py \
-    tests/test_beam_search.py tests/test_structured_engine.py tests/test_sliding_window.py tests/test_spec_decode.py
+    tests/test_beam_search.py tests/test_structured_engine.py tests/test_sliding_window.py tests/test_spec_decode.py \
+    tests/test_sampling.py
 step decode_profile "${LIMIT_PROFILE:-60}" $py -m bench.decode_profile
 step decode_profile_eager "${LIMIT_PROFILE:-60}" $py -m bench.decode_profile --enforce-eager
 step speculative "${LIMIT_SPEC:-150}" $py -m bench.speculative --batches ${SPEC_BATCHES:-1,4} --rounds ${SPEC_ROUNDS:-4} \

@@ -102,6 +102,10 @@ class DecodeGraphs:
             decode_seq_lens=self.lens[:size], prefill_block_tables=None, prefill_query_start_loc=None,
             prefill_seq_lens=None, layer_hook=None)
 
+    def capture_size(self, size: int, q: int) -> bool:
+        """Capture (size, q) now (warm_up.py), not at the first step that needs it; False if it failed."""
+        return self._capture(size, q) is not None
+
     def _capture(self, size: int, q: int) -> _Captured | None:
         """Capture with harmless inputs (no K/V written; every request attends Q tokens of block 0),
         then put back the step's own, already copied in. None (and `failed`) if the capture fails."""
@@ -149,6 +153,12 @@ def graphs_for(runner, decode: list, prefill: list, decode_q: int) -> DecodeGrap
     graphs = runner.decode_graphs
     if graphs is not None and graphs.failed and graphs.fits(runner.kv_caches, runner.kv_scales):
         return None
+    return graphs_of(runner)
+
+
+def graphs_of(runner) -> DecodeGraphs:
+    """The runner's graphs for its current caches, made (empty) if it has none for them."""
+    graphs = runner.decode_graphs
     if graphs is None or not graphs.fits(runner.kv_caches, runner.kv_scales):
         graphs = runner.decode_graphs = DecodeGraphs(runner.forward, runner.ops, runner.kv_caches, runner.kv_scales,
                                                      runner.device, runner.max_blocks_per_seq,

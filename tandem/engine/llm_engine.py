@@ -23,7 +23,7 @@ from typing import Any
 
 from kvtransfer.base import allocate_kv_caches
 from tandem.config import EngineConfig
-from tandem.engine import spec_decode
+from tandem.engine import spec_decode, warm_up
 from tandem.engine.beam_group import BeamGroups
 from tandem.engine.beam_search import BeamSearch
 from tandem.engine.kv_cache_manager import KVCacheManager, release_window
@@ -88,12 +88,13 @@ class LLMEngine:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.outputs = OutputBuilder(self.tokenizer, self.scheduler.finish)
         self._ids = itertools.count()
-        self.current_schedule = None
-        self.kv_connector = KVConnector()
+        self.current_schedule, self.kv_connector = None, KVConnector()
         self.speculator, self.spec_active, self.spec_switches = None, False, 0  # active: off above spec_max_batch
         self.thread_backoff = ThreadBackoff() if config.torch_device.type == "cpu" else None
         if config.role != "prefill":  # a prefill worker never proposes: its speculator waits for a switch
             self.ensure_speculator()
+        spec = config.num_speculative_tokens if config.speculator else 0  # GPU: kernels compiled, graphs captured
+        self.warm_up_seconds = warm_up.warm_up(self.runner, tuple(range(1, spec + 2)), config.spec_max_batch or 1)
 
     def ensure_speculator(self) -> None:
         """Build the configured speculator, once: at start, or when a prefill worker starts decoding."""
@@ -113,9 +114,8 @@ class LLMEngine:
         params.validate()
         ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; this model accepts at most "
-                             f"{self.max_model_len - 1} (max_model_len={self.max_model_len}, one token is left to "
-                             "generate)")
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model accepts at most {self.max_model_len - 1}"
+                             f" (max_model_len={self.max_model_len}, one token is left to generate)")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")

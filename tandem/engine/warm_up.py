@@ -1,0 +1,75 @@
+"""Warm-up at start on a GPU: the Triton kernels a first request would wait for, compiled, and the decode
+CUDA graphs captured, before the engine takes a request (vLLM captures its graphs at start too).
+
+Why: Triton compiles a kernel on its first call with each specialization — integer arguments are
+specialized on being 1 and on divisibility by 16, a block table's width (its row stride) among them —
+and tandem/engine/cuda_graphs.py captures a graph the first time a step needs its (batch size, query
+length). Served on an H100 (docs/PERFORMANCE.md, session 22), the first second of requests waited for
+both: first chunk p90 491 ms at 8 req/s against a p50 of 18 ms, the delay before the prefill worker
+took the request.
+
+Nothing is written to the cache: every row's slot is -1 (no K/V stored), every table points at block 0,
+and the outputs are dropped. A CPU has nothing to compile or capture: `warm_up` returns at once there
+unless forced (the tests force it, with graphs that run eagerly).
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+import torch
+
+from tandem.engine.cuda_graphs import SIZES, DecodeGraphs, graphs_of
+from tandem.layers.attention import AttentionMetadata
+
+log = structlog.get_logger(__name__)
+TABLE_WIDTHS = (1, 2, 16)  # a block table's width specializes the kernels: 1, a multiple of 16, neither
+
+
+@torch.inference_mode()
+def warm_up(runner, query_lens: tuple[int, ...] = (1,), spec_batch: int = SIZES[-1], force: bool = False) -> float:
+    """Compile the attention kernels for each kind of step and capture the decode graphs of every batch
+    size (query length 1; longer query lengths `query_lens`, a speculator's verification steps, up to
+    `spec_batch` requests); the seconds it took. A no-op off a GPU unless `force`."""
+    if runner.device.type != "cuda" and not force:
+        return 0.0
+    start = time.perf_counter()
+    widths = [w for w in TABLE_WIDTHS if w <= runner.max_blocks_per_seq]
+    for width in widths:
+        n = (width - 1) * runner.block_size + 1  # a prompt that fills `width` blocks' table
+        _forward(runner, width, n, decode=True)  # a mixed step: one decode row and a prompt
+        # a prompt alone, its last row sampled (the last layer narrowed to it, unless hidden states are kept)
+        _forward(runner, width, n, decode=False, narrow=not (runner.keep_hidden or runner.hidden_layers))
+    graphs = graphs_of(runner) if runner.use_graphs else None
+    captured, widest = 0, DecodeGraphs.size_for(max(spec_batch, 1)) or SIZES[-1]
+    for q in sorted(set(query_lens) | {1}):
+        for size in SIZES:
+            if graphs is None or graphs.failed:
+                break
+            if (q == 1 or size <= widest) and DecodeGraphs.size_for(size, q) == size and (size, q) not in graphs.graphs:
+                captured += graphs.capture_size(size, q)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    seconds = time.perf_counter() - start
+    log.info("warmed up", seconds=round(seconds, 3), table_widths=widths, graphs=captured)
+    return seconds
+
+
+def _forward(runner, width: int, n: int, decode: bool, narrow: bool = False) -> None:
+    """One eager forward over dummy rows: [1 decode row +] a prompt of n tokens, tables `width` wide."""
+    dev, rows = runner.device, n + int(decode)
+    table = torch.zeros((1, width), dtype=torch.int32, device=dev)
+    one = torch.ones(1, dtype=torch.int32, device=dev)
+    meta = AttentionMetadata(
+        ops=runner.ops, kv_caches=runner.kv_caches, kv_scales=runner.kv_scales,
+        slot_mapping=torch.full((rows,), -1, dtype=torch.long, device=dev),
+        num_decode_seqs=int(decode), decode_query_len=1, decode_block_tables=table if decode else None,
+        decode_seq_lens=one if decode else None, prefill_block_tables=table,
+        prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        prefill_seq_lens=torch.tensor([n], dtype=torch.int32, device=dev), layer_hook=None,
+        **(dict(out_rows=torch.tensor([rows - 1], device=dev), out_block_tables=table,
+                out_seq_lens=torch.tensor([n], dtype=torch.int32, device=dev)) if narrow else {}))
+    positions = ([0] if decode else []) + list(range(n))
+    hidden = runner.forward(torch.zeros(rows, dtype=torch.long, device=dev), torch.tensor(positions, device=dev), meta)
+    runner.model.compute_logits(hidden[-1:])
