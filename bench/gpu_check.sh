@@ -23,7 +23,8 @@
 # (>= 1.7), grpcio-health-checking, grpcio-reflection, grpcio and protobuf (the versions pyproject needs),
 # uvicorn, httptools, fastapi, starlette, pydantic, pydantic-core, annotated-types, typing-inspection,
 # opentelemetry-api, and for the structured tests jsonschema, jsonschema-specifications, referencing,
-# rpds-py. The serving step finds `tandem` beside the interpreter or runs `python -m tandem.cli`.
+# rpds-py; for the EAGLE P/D test the openai client, httpx2, httpcore2, h11, truststore, anyio, idna, jiter,
+# distro, sniffio. The serving step finds `tandem` beside the interpreter or runs `python -m tandem.cli`.
 set -u
 out=${1:-gpu-check-logs}
 mkdir -p "$out"

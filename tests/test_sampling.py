@@ -14,7 +14,9 @@ pytestmark = pytest.mark.slow  # real processes / models: deselected by -m 'not 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    return LLM(make_checkpoint(str(tmp_path_factory.mktemp("llama")), "llama"), num_kv_blocks=128, max_model_len=512)
+    # fp32: checked against transformers in fp32 (a GPU's auto dtype is bf16)
+    return LLM(make_checkpoint(str(tmp_path_factory.mktemp("llama")), "llama"), num_kv_blocks=128, max_model_len=512,
+               dtype="float32")
 
 
 PROMPTS = ["def main():", "import os\nimport sys", "class Foo:\n    pass"]
