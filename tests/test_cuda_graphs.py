@@ -133,26 +133,3 @@ def test_a_capture_that_fails_falls_back_to_eager(path, monkeypatch):
     assert len(tries) == 1 and runner.decode_graphs.failed and runner.decode_graphs.replays == 0
     llm.engine.check_invariants()
 
-
-def test_warm_up_captures_every_size_and_writes_nothing(path):
-    """tandem/engine/warm_up.py: at start (forced here: a CPU has nothing to compile) every batch size is
-    captured for plain steps and, up to the speculation batch, for the verification query lengths; its
-    dummy forwards store no K/V (slots -1) and hold no block; the graphs then serve transformers' tokens."""
-    import torch
-
-    from tandem.engine.warm_up import warm_up
-
-    llm = _llm(path)
-    runner = llm.engine.runner
-    assert (llm.engine.warm_up_seconds > 0) is (runner.device.type == "cuda")  # a CPU: nothing to do unless forced
-    before = [c.view(torch.uint8).clone() for c in runner.kv_caches]
-    warm_up(runner, (1, 2, 3), spec_batch=2, force=True)
-    graphs = runner.decode_graphs
-    assert graphs is not None and graphs.replays == 0
-    assert set(graphs.graphs) == {(s, 1) for s in cuda_graphs.SIZES} | {(s, q) for s in (1, 2) for q in (2, 3)}
-    assert all(torch.equal(a, c.view(torch.uint8)) for a, c in zip(before, runner.kv_caches))
-    assert llm.engine.kv.pool.num_used == 0
-    prompts = [[(5 * i + 2 * j) % 400 + 3 for j in range(n)] for i, n in enumerate([9, 40, 23])]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
-    assert [o.token_ids for o in outs] == hf_greedy(path, prompts, NEW)
-    assert graphs.replays > 0 and runner.decode_graphs is graphs

@@ -1,5 +1,6 @@
-"""Warm-up at start on a GPU: the Triton kernels a first request would wait for, compiled, and the decode
-CUDA graphs captured, before the engine takes a request (vLLM captures its graphs at start too).
+"""Warm-up at start: what a first request would wait for, done before the engine takes one — on a GPU the
+Triton kernels compiled and the decode CUDA graphs captured (vLLM captures its graphs at start too), on a
+CPU oneDNN's primitives for the prompt sizes made.
 
 Why: Triton compiles a kernel on its first call with each specialization — integer arguments are
 specialized on being 1 and on divisibility by 16, a block table's width (its row stride) among them —
@@ -8,9 +9,15 @@ length). Served on an H100 (docs/PERFORMANCE.md, session 22), the first second o
 both: first chunk p90 491 ms at 8 req/s against a p50 of 18 ms, the delay before the prefill worker
 took the request.
 
+On a CPU oneDNN builds a primitive per linear shape and row count (tandem/layers/linear.py buckets the
+counts past 64), ~0.9 ms each: the shipped model's first prompt of each new size paid ~2.5-5 ms (17 prompts
+of distinct sizes: 181-227 ms cold, 138-140 ms warmed, 0.2 s of warm-up). So each decoder-layer linear shape
+runs once at every row count a prompt up to CPU_WARM_ROWS tokens uses. Not the lm_head: a prompt's logits
+are its last row's (and the compute would dominate: the 55M Llama's would take ~3 s).
+
 Nothing is written to the cache: every row's slot is -1 (no K/V stored), every table points at block 0,
-and the outputs are dropped. A CPU has nothing to compile or capture: `warm_up` returns at once there
-unless forced (the tests force it, with graphs that run eagerly).
+and the outputs are dropped. The GPU steps run on a CPU only when forced (the tests force them, with
+graphs that run eagerly).
 """
 
 from __future__ import annotations
@@ -21,20 +28,24 @@ import structlog
 import torch
 
 from tandem.engine.cuda_graphs import SIZES, DecodeGraphs, graphs_of
+from tandem.layers import linear as linear_mod
 from tandem.layers.attention import AttentionMetadata
 
 log = structlog.get_logger(__name__)
 TABLE_WIDTHS = (1, 2, 16)  # a block table's width specializes the kernels: 1, a multiple of 16, neither
+CPU_WARM_ROWS = 512  # past it a prefill step is long enough that a primitive's ~1 ms hardly shows
 
 
 @torch.inference_mode()
 def warm_up(runner, query_lens: tuple[int, ...] = (1,), spec_batch: int = SIZES[-1], force: bool = False) -> float:
-    """Compile the attention kernels for each kind of step and capture the decode graphs of every batch
-    size (query length 1; longer query lengths `query_lens`, a speculator's verification steps, up to
-    `spec_batch` requests); the seconds it took. A no-op off a GPU unless `force`."""
-    if runner.device.type != "cuda" and not force:
-        return 0.0
+    """GPU (or `force`): compile the attention kernels for each kind of step and capture the decode graphs
+    of every batch size (query length 1; longer query lengths `query_lens`, a speculator's verification
+    steps, up to `spec_batch` requests). CPU: oneDNN's primitives (module doc). The seconds it took."""
     start = time.perf_counter()
+    if runner.device.type == "cpu":
+        onednn_row_counts(runner.model.model.layers)
+    if runner.device.type != "cuda" and not force:
+        return time.perf_counter() - start
     widths = [w for w in TABLE_WIDTHS if w <= runner.max_blocks_per_seq]
     for width in widths:
         n = (width - 1) * runner.block_size + 1  # a prompt that fills `width` blocks' table
@@ -73,3 +84,19 @@ def _forward(runner, width: int, n: int, decode: bool, narrow: bool = False) -> 
     positions = ([0] if decode else []) + list(range(n))
     hidden = runner.forward(torch.zeros(rows, dtype=torch.long, device=dev), torch.tensor(positions, device=dev), meta)
     runner.model.compute_logits(hidden[-1:])
+
+
+def onednn_row_counts(layers, max_rows: int = CPU_WARM_ROWS) -> list[int]:
+    """Run each distinct linear shape of `layers` once at every oneDNN row count of a prompt up to
+    max_rows tokens (small batches take the C kernels); the row counts, [] without oneDNN."""
+    if linear_mod.backend() != "onednn":
+        return []
+    shapes: dict[tuple, linear_mod.Linear] = {}
+    for module in layers.modules():
+        if isinstance(module, linear_mod.Linear) and module.weight.is_cpu:
+            shapes.setdefault((module.in_features, module.out_features, module.weight.dtype), module)
+    rows = sorted({linear_mod.bucket_rows(n) for n in range(linear_mod.SMALL_BATCH + 1, max_rows + 1)})
+    for module in shapes.values():
+        for n in rows:
+            module(torch.zeros((n, module.in_features), dtype=module.weight.dtype))
+    return rows
