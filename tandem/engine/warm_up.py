@@ -11,9 +11,9 @@ took the request.
 
 On a CPU oneDNN builds a primitive per linear shape and row count (tandem/layers/linear.py buckets the
 counts past 64), ~0.9 ms each: the shipped model's first prompt of each new size paid ~2.5-5 ms (17 prompts
-of distinct sizes: 181-227 ms cold, 138-140 ms warmed, 0.2 s of warm-up). So each decoder-layer linear shape
-runs once at every row count a prompt up to CPU_WARM_ROWS tokens uses. Not the lm_head: a prompt's logits
-are its last row's (and the compute would dominate: the 55M Llama's would take ~3 s).
+of distinct sizes: 178-199 ms cold, 123-125 ms warmed; 0.41 s of warm-up, 0.72 s for the 55M Llama). So
+each decoder-layer linear shape runs once at every row count a prompt up to CPU_WARM_ROWS tokens uses. Not
+the lm_head: a prompt's logits are its last row's (and its compute would dominate: ~3 s for the 55M Llama).
 
 Nothing is written to the cache: every row's slot is -1 (no K/V stored), every table points at block 0,
 and the outputs are dropped. The GPU steps run on a CPU only when forced (the tests force them, with
