@@ -5,9 +5,9 @@ CPU oneDNN's primitives for the prompt sizes made.
 Why: Triton compiles a kernel on its first call with each specialization — integer arguments are
 specialized on being 1 and on divisibility by 16, a block table's width (its row stride) among them —
 and tandem/engine/cuda_graphs.py captures a graph the first time a step needs its (batch size, query
-length). Served on an H100 (docs/PERFORMANCE.md, session 22), the first second of requests waited for
-both: first chunk p90 491 ms at 8 req/s against a p50 of 18 ms, the delay before the prefill worker
-took the request.
+length). Served on an H100, the first second of requests waited for both: at 8 req/s, first chunk p90
+860 ms without the warm-up, 22.5 ms with it (docs/PERFORMANCE.md, session 24), the delay before the
+prefill worker took the request.
 
 On a CPU oneDNN builds a primitive per linear shape and row count (tandem/layers/linear.py buckets the
 counts past 64), ~0.9 ms each: the shipped model's first prompt of each new size paid ~2.5-5 ms (17 prompts
