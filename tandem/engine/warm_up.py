@@ -42,10 +42,15 @@ def warm_up(runner, query_lens: tuple[int, ...] = (1,), spec_batch: int = SIZES[
     of every batch size (query length 1; longer query lengths `query_lens`, a speculator's verification
     steps, up to `spec_batch` requests). CPU: oneDNN's primitives (module doc). The seconds it took."""
     start = time.perf_counter()
-    if runner.device.type == "cpu":
-        onednn_row_counts(runner.model.model.layers)
-    if runner.device.type != "cuda" and not force:
-        return time.perf_counter() - start
+    rows = onednn_row_counts(runner.model.model.layers) if runner.device.type == "cpu" else []
+    widths, captured = _gpu_steps(runner, query_lens, spec_batch) if runner.device.type == "cuda" or force else ([], 0)
+    seconds = time.perf_counter() - start
+    log.info("warmed up", seconds=round(seconds, 3), onednn_row_counts=len(rows), table_widths=widths, graphs=captured)
+    return seconds
+
+
+def _gpu_steps(runner, query_lens: tuple[int, ...], spec_batch: int) -> tuple[list[int], int]:
+    """The GPU half of warm_up: (the table widths compiled for, the graphs captured)."""
     widths = [w for w in TABLE_WIDTHS if w <= runner.max_blocks_per_seq]
     for width in widths:
         n = (width - 1) * runner.block_size + 1  # a prompt that fills `width` blocks' table
@@ -62,9 +67,7 @@ def warm_up(runner, query_lens: tuple[int, ...] = (1,), spec_batch: int = SIZES[
                 captured += graphs.capture_size(size, q)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
-    seconds = time.perf_counter() - start
-    log.info("warmed up", seconds=round(seconds, 3), table_widths=widths, graphs=captured)
-    return seconds
+    return widths, captured
 
 
 def _forward(runner, width: int, n: int, decode: bool, narrow: bool = False) -> None:
