@@ -148,6 +148,73 @@ PAIR_ROWS(f32w, float, load8w, load1w, 7) PAIR_ROWS(f32w, float, load8w, load1w,
 #undef STREAMS
 #undef STREAM_ROWS
 
+/* AVX-512: 16-lane vectors, two weight rows at a time, for every M (1-8). Each input vector loaded once
+ * feeds twice the FMAs of an 8-lane one: the shipped model's four layer linears, bf16 weights, 2 threads,
+ * six layers' weights rotating: 1 row 50.4 -> 45.3 us, 5 rows 91.0 -> 80.8 (docs/PERFORMANCE.md, session
+ * 24; batch-1 decode of the shipped model 1088-1105 -> 1143-1165 tok/s). An odd last weight row is paired with itself (computed twice, stored once), so every (m, n) sum runs
+ * in one order — 16 lanes along K, their sum in lane order, then the tail — whichever rows a thread's share
+ * pairs: a different thread count (ThreadBackoff) never changes a bit. The 8-lane kernels above serve AVX2. */
+#if defined(__AVX512F__)
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline f32x16 widen16(const uint16_t *p) {
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    f32x16 f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+static inline f32x16 load16f(const float *p) {
+    f32x16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+#define WIDE_ROWS(NAME, T, WIDEN16, WIDEN1, M)                                                                \
+    static void NAME##_wide_##M(const float *x, const T *w, int64_t K, float *y, int64_t N, int64_t n0,       \
+                                int64_t n1, const float *bias) {                                              \
+        const int64_t ahead = PREFETCH_AHEAD / (int64_t)sizeof(T), kv = K / 16 * 16;                          \
+        for (int64_t n = n0; n < n1; n += 2) {                                                                \
+            const int two = n + 1 < n1;                                                                       \
+            const T *r0 = w + n * K, *r1 = two ? r0 + K : r0;                                                 \
+            f32x16 a0[M], a1[M];                                                                              \
+            for (int m = 0; m < M; m++) a0[m] = a1[m] = (f32x16){0};                                         \
+            for (int64_t k = 0; k < kv; k += 16) {                                                            \
+                if ((k * (int64_t)sizeof(T)) % 64 == 0) {                                                     \
+                    __builtin_prefetch((const char *)(r0 + k + ahead), 0, PREFETCH_LOCALITY);                 \
+                    __builtin_prefetch((const char *)(r1 + k + ahead), 0, PREFETCH_LOCALITY);                 \
+                }                                                                                             \
+                const f32x16 w0 = WIDEN16(r0 + k), w1 = WIDEN16(r1 + k);                                      \
+                for (int m = 0; m < M; m++) {                                                                 \
+                    const f32x16 xv = load16f(x + m * K + k);                                                 \
+                    a0[m] += w0 * xv;                                                                         \
+                    a1[m] += w1 * xv;                                                                         \
+                }                                                                                             \
+            }                                                                                                 \
+            for (int m = 0; m < M; m++) {                                                                     \
+                float s0 = 0.f, s1 = 0.f;                                                                     \
+                for (int i = 0; i < 16; i++) s0 += a0[m][i], s1 += a1[m][i];                                 \
+                for (int64_t j = kv; j < K; j++) s0 += x[m * K + j] * WIDEN1(r0[j]), s1 += x[m * K + j] * WIDEN1(r1[j]); \
+                y[m * N + n] = s0 + (bias ? bias[n] : 0.f);                                                   \
+                if (two) y[m * N + n + 1] = s1 + (bias ? bias[n + 1] : 0.f);                                  \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+#define WIDES(NAME, T, WIDEN16, WIDEN1)                                                                       \
+    WIDE_ROWS(NAME, T, WIDEN16, WIDEN1, 1) WIDE_ROWS(NAME, T, WIDEN16, WIDEN1, 2)                            \
+    WIDE_ROWS(NAME, T, WIDEN16, WIDEN1, 3) WIDE_ROWS(NAME, T, WIDEN16, WIDEN1, 4)                            \
+    WIDE_ROWS(NAME, T, WIDEN16, WIDEN1, 5) WIDE_ROWS(NAME, T, WIDEN16, WIDEN1, 6)                            \
+    WIDE_ROWS(NAME, T, WIDEN16, WIDEN1, 7) WIDE_ROWS(NAME, T, WIDEN16, WIDEN1, 8)
+WIDES(bf16w, uint16_t, widen16, widen1)
+WIDES(f32w, float, load16f, load1w)
+#undef WIDES
+#undef WIDE_ROWS
+#endif
+
 int omp_get_thread_num(void);
 int omp_get_num_threads(void);
 
@@ -165,6 +232,15 @@ int omp_get_num_threads(void);
             FN(x, w, K, y, N, 0, N, bias);                                                                    \
         }                                                                                                     \
         return 0;
+#if defined(__AVX512F__)
+#define DISPATCH(NAME)                                                                                        \
+    switch (M) {                                                                                              \
+        RUN_ROWS(NAME##_wide_1, 1) RUN_ROWS(NAME##_wide_2, 2) RUN_ROWS(NAME##_wide_3, 3)                     \
+        RUN_ROWS(NAME##_wide_4, 4) RUN_ROWS(NAME##_wide_5, 5) RUN_ROWS(NAME##_wide_6, 6)                     \
+        RUN_ROWS(NAME##_wide_7, 7) RUN_ROWS(NAME##_wide_8, 8)                                                \
+    }                                                                                                         \
+    return -1;
+#else
 #define DISPATCH(NAME)                                                                                        \
     switch (M) {                                                                                              \
         RUN_ROWS(NAME##_rows_1, 1) RUN_ROWS(NAME##_pairs_2, 2) RUN_ROWS(NAME##_pairs_3, 3)                   \
@@ -172,6 +248,7 @@ int omp_get_num_threads(void);
         RUN_7_8(NAME)                                                                                         \
     }                                                                                                         \
     return -1;
+#endif
 
 static int rows_bf16w(const float *x, const uint16_t *w, const float *bias, float *y, int64_t M, int64_t N,
                       int64_t K, int num_threads) {
