@@ -150,10 +150,11 @@ PAIR_ROWS(f32w, float, load8w, load1w, 7) PAIR_ROWS(f32w, float, load8w, load1w,
 
 /* AVX-512: 16-lane vectors, two weight rows at a time, for every M (1-8). Each input vector loaded once
  * feeds twice the FMAs of an 8-lane one: the shipped model's four layer linears, bf16 weights, 2 threads,
- * six layers' weights rotating: 1 row 50.4 -> 45.3 us, 5 rows 91.0 -> 80.8 (docs/PERFORMANCE.md, session
- * 24; batch-1 decode of the shipped model 1088-1105 -> 1143-1165 tok/s). An odd last weight row is paired with itself (computed twice, stored once), so every (m, n) sum runs
- * in one order — 16 lanes along K, their sum in lane order, then the tail — whichever rows a thread's share
- * pairs: a different thread count (ThreadBackoff) never changes a bit. The 8-lane kernels above serve AVX2. */
+ * six layers' weights rotating: 1 row 50.4 -> 45.3 us, 5 rows 91.0 -> 80.8; its batch-1 decode 1088-1105
+ * -> 1143-1165 tok/s (docs/PERFORMANCE.md, session 24). An odd last weight row is paired with itself
+ * (computed twice, stored once), so every (m, n) sum runs in one order — 16 lanes along K, their sum in
+ * lane order, then the tail — whichever rows a thread's share pairs: a different thread count
+ * (ThreadBackoff) never changes a bit. The 8-lane kernels above serve AVX2. */
 #if defined(__AVX512F__)
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
