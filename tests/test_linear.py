@@ -226,3 +226,27 @@ def test_products_past_the_bucket_start_run_padded_and_give_the_same_rows(monkey
     assert seen == [lin.bucket_rows(rows)] and seen[0] > rows
     assert got.shape == (rows, 40) and got.is_contiguous()
     torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16-weights", "fp32-weights"])
+def test_small_batches_give_the_same_bits_at_any_thread_count(bf16):
+    """The C kernel splits the weight rows over threads and runs them two at a time: with an odd number of
+    rows per thread some row is alone. ThreadBackoff changes the thread count while serving, so each
+    output must come out bit for bit the same however the rows were split (and close to F.linear)."""
+    torch.manual_seed(5)
+    layer = lin.Linear(688, 255, bias=True)  # odd rows, K with a tail past 16 lanes, big enough to thread
+    if bf16:
+        layer.weight.data = layer.weight.data.to(torch.bfloat16).float()
+    before = torch.get_num_threads()
+    try:
+        for rows in range(1, 9):
+            x = torch.randn(rows, 688)
+            outs = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                with torch.inference_mode():
+                    outs.append(layer(x))
+            assert all(torch.equal(outs[0], y) for y in outs[1:]), rows
+            assert torch.allclose(outs[0], F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(before)
