@@ -50,8 +50,9 @@ static inline float load1w(float v) { return v; }
  * layout (R = 1-4 rows together, the next group's bytes prefetched in one burst into L1) streamed the 55M
  * Llama's weights at 16-19 GB/s where a read-only sum reaches 26-29; this one reaches 23-27 (1-3 rows, 2
  * threads, weights evicted; docs/PERFORMANCE.md "Session 14"). One input row keeps U = 4 accumulators along K
- * (enough independent FMAs in flight; their sum is the only change of order); 2-8 rows run in pairs of
- * weight rows (below), this kernel only for an odd last row, with U = 1. */
+ * (enough independent FMAs in flight; their sum is the only change of order). Only AVX2 builds use it: for
+ * one row, and for 7-8 rows with U = 1 (in pairs their 14-16 accumulators would spill AVX2's 16 vector
+ * registers); every other case runs in pairs of weight rows (below). */
 #define PREFETCH_AHEAD 4096
 #define PREFETCH_LOCALITY 2 /* prefetcht1 (L2): beat 0 (nta, 1.4x slower) and 3 (t0) at 1-3 rows */
 
@@ -85,76 +86,45 @@ static inline float load1w(float v) { return v; }
             }                                                                                                 \
         }                                                                                                     \
     }
-/* Two weight rows at a time against all M >= 2 input rows: each input vector loaded once feeds both rows'
- * FMAs, and the 2M accumulators are enough independent chains to hide the FMA latency that one row's M
- * left exposed (one row, U = 1: a chain per input row, each FMA waiting for the last). Shipped model's
- * four layer linears, bf16 weights, 2 threads, six layers' weights rotating (docs/PERFORMANCE.md
- * "Session 19"): 4 rows 99 -> 80 us, 5 rows 110 -> 88, 6 rows 121 -> 96, 8 rows 140 -> 118. Each (m, n)
- * sum runs in the order of the one-row kernel with U = 1 (lanes along K, then their sum), so an odd last
- * weight row, which that kernel computes, gets the same bits as it would in a pair. */
-#define PAIR_ROWS(NAME, T, WIDEN8, WIDEN1, M)                                                                 \
-    static void NAME##_pairs_##M(const float *x, const T *w, int64_t K, float *y, int64_t N, int64_t n0,      \
-                                 int64_t n1, const float *bias) {                                             \
-        const int64_t ahead = PREFETCH_AHEAD / (int64_t)sizeof(T), kv = K / 8 * 8;                            \
-        int64_t n = n0;                                                                                       \
-        for (; n + 2 <= n1; n += 2) {                                                                         \
-            const T *r0 = w + n * K, *r1 = r0 + K;                                                            \
-            f32x8 a0[M], a1[M];                                                                               \
-            for (int m = 0; m < M; m++) a0[m] = a1[m] = (f32x8){0};                                          \
-            for (int64_t k = 0; k < kv; k += 8) {                                                             \
+/* Two weight rows at a time against all M input rows, in vectors of L lanes (8: AVX2; 16: AVX-512): each
+ * input vector loaded once feeds both rows' FMAs, and the 2M accumulators are enough independent chains to
+ * hide the FMA latency that one row's M left exposed. 8 lanes against one row at a time, the shipped
+ * model's four layer linears, bf16 weights, 2 threads, six layers' weights rotating (docs/PERFORMANCE.md
+ * "Session 19"): 4 rows 99 -> 80 us, 5 rows 110 -> 88, 6 rows 121 -> 96, 8 rows 140 -> 118; 16 lanes against
+ * 8 ("Session 24"): 1 row 50.4 -> 45.3 us, 5 rows 91.0 -> 80.8, the model's batch-1 decode 1088-1105 ->
+ * 1143-1165 tok/s. An odd last weight row is paired with itself (computed twice, stored once), so every
+ * (m, n) sum runs in one order — L lanes along K, their sum in lane order, then the tail — whichever rows a
+ * thread's share pairs: a different thread count (ThreadBackoff) never changes a bit. */
+#define PAIR_ROWS(NAME, T, V, L, WIDENV, LOADV, WIDEN1, M)                                                    \
+    static void NAME##_pairs##L##_##M(const float *x, const T *w, int64_t K, float *y, int64_t N, int64_t n0, \
+                                      int64_t n1, const float *bias) {                                        \
+        const int64_t ahead = PREFETCH_AHEAD / (int64_t)sizeof(T), kv = K / L * L;                            \
+        for (int64_t n = n0; n < n1; n += 2) {                                                                \
+            const int two = n + 1 < n1;                                                                       \
+            const T *r0 = w + n * K, *r1 = two ? r0 + K : r0;                                                 \
+            V a0[M], a1[M];                                                                                   \
+            for (int m = 0; m < M; m++) a0[m] = a1[m] = (V){0};                                              \
+            for (int64_t k = 0; k < kv; k += L) {                                                             \
                 if ((k * (int64_t)sizeof(T)) % 64 == 0) {                                                     \
                     __builtin_prefetch((const char *)(r0 + k + ahead), 0, PREFETCH_LOCALITY);                 \
                     __builtin_prefetch((const char *)(r1 + k + ahead), 0, PREFETCH_LOCALITY);                 \
                 }                                                                                             \
-                const f32x8 w0 = WIDEN8(r0 + k), w1 = WIDEN8(r1 + k);                                         \
+                const V w0 = WIDENV(r0 + k), w1 = WIDENV(r1 + k);                                             \
                 for (int m = 0; m < M; m++) {                                                                 \
-                    const f32x8 xv = load8f(x + m * K + k);                                                   \
+                    const V xv = LOADV(x + m * K + k);                                                        \
                     a0[m] += w0 * xv;                                                                         \
                     a1[m] += w1 * xv;                                                                         \
                 }                                                                                             \
             }                                                                                                 \
             for (int m = 0; m < M; m++) {                                                                     \
                 float s0 = 0.f, s1 = 0.f;                                                                     \
-                for (int i = 0; i < 8; i++) s0 += a0[m][i], s1 += a1[m][i];                                  \
+                for (int i = 0; i < L; i++) s0 += a0[m][i], s1 += a1[m][i];                                  \
                 for (int64_t j = kv; j < K; j++) s0 += x[m * K + j] * WIDEN1(r0[j]), s1 += x[m * K + j] * WIDEN1(r1[j]); \
                 y[m * N + n] = s0 + (bias ? bias[n] : 0.f);                                                   \
-                y[m * N + n + 1] = s1 + (bias ? bias[n + 1] : 0.f);                                           \
+                if (two) y[m * N + n + 1] = s1 + (bias ? bias[n + 1] : 0.f);                                  \
             }                                                                                                 \
         }                                                                                                     \
-        if (n < n1) NAME##_rows_##M(x, w, K, y, N, n, n1, bias);                                              \
     }
-#define STREAMS(NAME, T, WIDEN8, WIDEN1)                                                                      \
-    STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 1, 4) STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 2, 1)                    \
-    STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 3, 1) STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 4, 1)                    \
-    STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 5, 1) STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 6, 1)                    \
-    STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 7, 1) STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 8, 1)
-STREAMS(bf16w, uint16_t, widen8, widen1)
-STREAMS(f32w, float, load8w, load1w)
-#define PAIRS(NAME, T, WIDEN8, WIDEN1)                                                                        \
-    PAIR_ROWS(NAME, T, WIDEN8, WIDEN1, 2) PAIR_ROWS(NAME, T, WIDEN8, WIDEN1, 3)                              \
-    PAIR_ROWS(NAME, T, WIDEN8, WIDEN1, 4) PAIR_ROWS(NAME, T, WIDEN8, WIDEN1, 5)                              \
-    PAIR_ROWS(NAME, T, WIDEN8, WIDEN1, 6)
-PAIRS(bf16w, uint16_t, widen8, widen1)
-PAIRS(f32w, float, load8w, load1w)
-/* 7-8 rows in pairs hold 14-16 accumulators: AVX-512's 32 vector registers take them, AVX2's 16 do not
- * (they would spill), so there the one-row kernel runs them. */
-#if defined(__AVX512VL__)
-PAIR_ROWS(bf16w, uint16_t, widen8, widen1, 7) PAIR_ROWS(bf16w, uint16_t, widen8, widen1, 8)
-PAIR_ROWS(f32w, float, load8w, load1w, 7) PAIR_ROWS(f32w, float, load8w, load1w, 8)
-#define RUN_7_8(NAME) RUN_ROWS(NAME##_pairs_7, 7) RUN_ROWS(NAME##_pairs_8, 8)
-#else
-#define RUN_7_8(NAME) RUN_ROWS(NAME##_rows_7, 7) RUN_ROWS(NAME##_rows_8, 8)
-#endif
-#undef STREAMS
-#undef STREAM_ROWS
-
-/* AVX-512: 16-lane vectors, two weight rows at a time, for every M (1-8). Each input vector loaded once
- * feeds twice the FMAs of an 8-lane one: the shipped model's four layer linears, bf16 weights, 2 threads,
- * six layers' weights rotating: 1 row 50.4 -> 45.3 us, 5 rows 91.0 -> 80.8; its batch-1 decode 1088-1105
- * -> 1143-1165 tok/s (docs/PERFORMANCE.md, session 24). An odd last weight row is paired with itself
- * (computed twice, stored once), so every (m, n) sum runs in one order — 16 lanes along K, their sum in
- * lane order, then the tail — whichever rows a thread's share pairs: a different thread count
- * (ThreadBackoff) never changes a bit. The 8-lane kernels above serve AVX2. */
 #if defined(__AVX512F__)
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
@@ -175,46 +145,34 @@ static inline f32x16 load16f(const float *p) {
     return v;
 }
 
-#define WIDE_ROWS(NAME, T, WIDEN16, WIDEN1, M)                                                                \
-    static void NAME##_wide_##M(const float *x, const T *w, int64_t K, float *y, int64_t N, int64_t n0,       \
-                                int64_t n1, const float *bias) {                                              \
-        const int64_t ahead = PREFETCH_AHEAD / (int64_t)sizeof(T), kv = K / 16 * 16;                          \
-        for (int64_t n = n0; n < n1; n += 2) {                                                                \
-            const int two = n + 1 < n1;                                                                       \
-            const T *r0 = w + n * K, *r1 = two ? r0 + K : r0;                                                 \
-            f32x16 a0[M], a1[M];                                                                              \
-            for (int m = 0; m < M; m++) a0[m] = a1[m] = (f32x16){0};                                         \
-            for (int64_t k = 0; k < kv; k += 16) {                                                            \
-                if ((k * (int64_t)sizeof(T)) % 64 == 0) {                                                     \
-                    __builtin_prefetch((const char *)(r0 + k + ahead), 0, PREFETCH_LOCALITY);                 \
-                    __builtin_prefetch((const char *)(r1 + k + ahead), 0, PREFETCH_LOCALITY);                 \
-                }                                                                                             \
-                const f32x16 w0 = WIDEN16(r0 + k), w1 = WIDEN16(r1 + k);                                      \
-                for (int m = 0; m < M; m++) {                                                                 \
-                    const f32x16 xv = load16f(x + m * K + k);                                                 \
-                    a0[m] += w0 * xv;                                                                         \
-                    a1[m] += w1 * xv;                                                                         \
-                }                                                                                             \
-            }                                                                                                 \
-            for (int m = 0; m < M; m++) {                                                                     \
-                float s0 = 0.f, s1 = 0.f;                                                                     \
-                for (int i = 0; i < 16; i++) s0 += a0[m][i], s1 += a1[m][i];                                 \
-                for (int64_t j = kv; j < K; j++) s0 += x[m * K + j] * WIDEN1(r0[j]), s1 += x[m * K + j] * WIDEN1(r1[j]); \
-                y[m * N + n] = s0 + (bias ? bias[n] : 0.f);                                                   \
-                if (two) y[m * N + n + 1] = s1 + (bias ? bias[n + 1] : 0.f);                                  \
-            }                                                                                                 \
-        }                                                                                                     \
-    }
-#define WIDES(NAME, T, WIDEN16, WIDEN1)                                                                       \
-    WIDE_ROWS(NAME, T, WIDEN16, WIDEN1, 1) WIDE_ROWS(NAME, T, WIDEN16, WIDEN1, 2)                            \
-    WIDE_ROWS(NAME, T, WIDEN16, WIDEN1, 3) WIDE_ROWS(NAME, T, WIDEN16, WIDEN1, 4)                            \
-    WIDE_ROWS(NAME, T, WIDEN16, WIDEN1, 5) WIDE_ROWS(NAME, T, WIDEN16, WIDEN1, 6)                            \
-    WIDE_ROWS(NAME, T, WIDEN16, WIDEN1, 7) WIDE_ROWS(NAME, T, WIDEN16, WIDEN1, 8)
-WIDES(bf16w, uint16_t, widen16, widen1)
-WIDES(f32w, float, load16f, load1w)
-#undef WIDES
-#undef WIDE_ROWS
+#define PAIRS16(NAME, T, WIDEN16, WIDEN1)                                                                     \
+    PAIR_ROWS(NAME, T, f32x16, 16, WIDEN16, load16f, WIDEN1, 1)                                              \
+    PAIR_ROWS(NAME, T, f32x16, 16, WIDEN16, load16f, WIDEN1, 2)                                              \
+    PAIR_ROWS(NAME, T, f32x16, 16, WIDEN16, load16f, WIDEN1, 3)                                              \
+    PAIR_ROWS(NAME, T, f32x16, 16, WIDEN16, load16f, WIDEN1, 4)                                              \
+    PAIR_ROWS(NAME, T, f32x16, 16, WIDEN16, load16f, WIDEN1, 5)                                              \
+    PAIR_ROWS(NAME, T, f32x16, 16, WIDEN16, load16f, WIDEN1, 6)                                              \
+    PAIR_ROWS(NAME, T, f32x16, 16, WIDEN16, load16f, WIDEN1, 7)                                              \
+    PAIR_ROWS(NAME, T, f32x16, 16, WIDEN16, load16f, WIDEN1, 8)
+PAIRS16(bf16w, uint16_t, widen16, widen1)
+PAIRS16(f32w, float, load16f, load1w)
+#undef PAIRS16
+#else
+#define STREAMS(NAME, T, WIDEN8, WIDEN1)                                                                      \
+    STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 1, 4) STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 7, 1)                    \
+    STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 8, 1)
+#define PAIRS8(NAME, T, WIDEN8, WIDEN1)                                                                       \
+    PAIR_ROWS(NAME, T, f32x8, 8, WIDEN8, load8f, WIDEN1, 2) PAIR_ROWS(NAME, T, f32x8, 8, WIDEN8, load8f, WIDEN1, 3) \
+    PAIR_ROWS(NAME, T, f32x8, 8, WIDEN8, load8f, WIDEN1, 4) PAIR_ROWS(NAME, T, f32x8, 8, WIDEN8, load8f, WIDEN1, 5) \
+    PAIR_ROWS(NAME, T, f32x8, 8, WIDEN8, load8f, WIDEN1, 6)
+STREAMS(bf16w, uint16_t, widen8, widen1)
+STREAMS(f32w, float, load8w, load1w)
+PAIRS8(bf16w, uint16_t, widen8, widen1)
+PAIRS8(f32w, float, load8w, load1w)
+#undef STREAMS
+#undef PAIRS8
 #endif
+#undef STREAM_ROWS
 
 int omp_get_thread_num(void);
 int omp_get_num_threads(void);
@@ -236,17 +194,17 @@ int omp_get_num_threads(void);
 #if defined(__AVX512F__)
 #define DISPATCH(NAME)                                                                                        \
     switch (M) {                                                                                              \
-        RUN_ROWS(NAME##_wide_1, 1) RUN_ROWS(NAME##_wide_2, 2) RUN_ROWS(NAME##_wide_3, 3)                     \
-        RUN_ROWS(NAME##_wide_4, 4) RUN_ROWS(NAME##_wide_5, 5) RUN_ROWS(NAME##_wide_6, 6)                     \
-        RUN_ROWS(NAME##_wide_7, 7) RUN_ROWS(NAME##_wide_8, 8)                                                \
+        RUN_ROWS(NAME##_pairs16_1, 1) RUN_ROWS(NAME##_pairs16_2, 2) RUN_ROWS(NAME##_pairs16_3, 3)            \
+        RUN_ROWS(NAME##_pairs16_4, 4) RUN_ROWS(NAME##_pairs16_5, 5) RUN_ROWS(NAME##_pairs16_6, 6)            \
+        RUN_ROWS(NAME##_pairs16_7, 7) RUN_ROWS(NAME##_pairs16_8, 8)                                          \
     }                                                                                                         \
     return -1;
 #else
 #define DISPATCH(NAME)                                                                                        \
     switch (M) {                                                                                              \
-        RUN_ROWS(NAME##_rows_1, 1) RUN_ROWS(NAME##_pairs_2, 2) RUN_ROWS(NAME##_pairs_3, 3)                   \
-        RUN_ROWS(NAME##_pairs_4, 4) RUN_ROWS(NAME##_pairs_5, 5) RUN_ROWS(NAME##_pairs_6, 6)                  \
-        RUN_7_8(NAME)                                                                                         \
+        RUN_ROWS(NAME##_rows_1, 1) RUN_ROWS(NAME##_pairs8_2, 2) RUN_ROWS(NAME##_pairs8_3, 3)                 \
+        RUN_ROWS(NAME##_pairs8_4, 4) RUN_ROWS(NAME##_pairs8_5, 5) RUN_ROWS(NAME##_pairs8_6, 6)               \
+        RUN_ROWS(NAME##_rows_7, 7) RUN_ROWS(NAME##_rows_8, 8)                                                \
     }                                                                                                         \
     return -1;
 #endif
