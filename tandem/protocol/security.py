@@ -165,7 +165,7 @@ class HandshakeWatch:
             if not self.reported:
                 self.reported = True
                 log.error("the peer refused this link: are both given the same cluster keys "
-                          "(--link-keys / --link-secret-file)?", peer=self.peer, event=event["event"])
+                          "(--link-keys / --link-secret-file)?", peer=self.peer, zmq_event=event["event"])
 
     def close(self) -> None:
         if self.monitor is not None:
