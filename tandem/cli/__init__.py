@@ -35,11 +35,6 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    # Log lines go to stderr from the start (stdout carries generated text, or the ready lines a launcher
-    # reads); the services set their own level (--log-level), the other commands log warnings and up.
-    from tandem.observability.logging import configure_logging
-
-    configure_logging("warning")
     try:
         return args.func(args) or 0
     except (ValueError, TypeError) as exc:

@@ -28,8 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tandem.engine.llm_engine import LLMEngine
+    from tandem.observability.logging import configure_logging
     from tandem.sampling_params import SamplingParams
 
+    configure_logging("warning")  # the engine's log lines on stderr, warnings only: stdout is this command's output
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop)
     engine = LLMEngine(engine_config_from_args(args, resolve_model(args.model)))

@@ -44,6 +44,9 @@ class ProgressBar:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tandem.observability.logging import configure_logging
+
+    configure_logging("warning")  # the engines' log lines on stderr, warnings only: stdout is this command's output
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     config = engine_config_from_args(args, resolve_model(args.model))
