@@ -24,8 +24,9 @@ or it tries to reserve 92% of RAM; its default VLLM_CPU_OMP_THREADS_BIND=auto bi
 one core and leaves the other to the API server -- as tandem up pins prefill and decode to a core
 each. Both servers run float32 with the same served model name.
 
-`tandem-pd-cond` is `tandem up` P/D with conditional disaggregation (`--local-prefill-if-busy 512`:
-prompts of up to 512 tokens are prefilled on D while P is busy), the router's opt-in for TTFT.
+`tandem-pd-cond` is `tandem up` P/D as it starts by default, with conditional disaggregation (prompts of up
+to 512 tokens are prefilled on D while P is busy); `tandem-pd` turns that off (`--local-prefill-if-busy 0`:
+every prompt through P).
 
 Caveats: a 2-core box runs the server(s) and the client together, and other jobs add noise (the JSON
 records the load average at every run). ITL is the gap between SSE chunks as the client receives
@@ -92,7 +93,7 @@ def server_cmd(a, mode: str, port: int, served: str) -> list[str]:
     cmd = shlex.split(a.tandem_cmd) + ["up", "--model", a.model, "--host", "127.0.0.1",
                                        "--http-port", str(port), "--grpc-port", "0",
                                        "--dtype", "float32", "--served-model-name", served]
-    extra = {"tandem-colocated": ["--colocated"], "tandem-pd-cond": ["--local-prefill-if-busy", "512"]}
+    extra = {"tandem-colocated": ["--colocated"], "tandem-pd": ["--local-prefill-if-busy", "0"]}
     return cmd + extra.get(mode, [])
 
 

@@ -107,4 +107,11 @@ def test_tandem_up_hands_the_limit_to_its_router():
 
     router, _ = build_commands(build_parser().parse_args(["up", "--local-prefill-if-busy", "512"]), "/m")
     assert router[router.index("--local-prefill-if-busy") + 1] == "512"
-    assert "--local-prefill-if-busy" not in build_commands(build_parser().parse_args(["up"]), "/m")[0]
+
+    def routed(*flags):
+        router, _ = build_commands(build_parser().parse_args(["up", *flags]), "/m")
+        return router[router.index("--local-prefill-if-busy") + 1] if "--local-prefill-if-busy" in router else None
+
+    assert routed() == "512"  # on by default for P/D on one box
+    assert routed("--local-prefill-if-busy", "0") == "0"  # and off when asked
+    assert routed("--colocated") is None  # no P to be busy

@@ -8,7 +8,8 @@ What `tandem up` does:
    Each worker gets its own cores (tandem/cli/cpus.py): the budget — the affinity mask, capped by
    an exported OMP_NUM_THREADS — split into disjoint slices, or --cpus-per-worker each; the plan is
    printed; with a core to spare, the last one is left to the router (asyncio, one thread, no torch)
-   and its clients.
+   and its clients. The router prefills a short prompt on its D while P is busy (conditional
+   disaggregation, `--local-prefill-if-busy`, on by default here).
 4. Poll the router's /health until it sees all of them; print the endpoints, a curl example and one
    machine-readable `tandem-up-ready {json}` line.
 5. Supervise (tandem/cli/supervise.py). A worker that exits is reported by name with its last output
@@ -42,6 +43,7 @@ from tandem.cli.keys import add_link_args
 from tandem.cli.supervise import Supervisor, run_supervised, wait_healthy
 
 TETHER_GRACE_S = 15.0  # a tethered child that has not exited this long after its parent vanished is killed
+LOCAL_IF_BUSY = 512  # tokens: `tandem up`'s default --local-prefill-if-busy (see _local_if_busy)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -66,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="decode workers prefill prompts with fewer uncached tokens than this themselves")
     p.add_argument("--local-prefill-if-busy", type=int, default=None, metavar="TOKENS",
                    help="the router's conditional disaggregation: prompts of at most TOKENS tokens are prefilled "
-                        "by their decode worker while the prefill worker is busy (default 0: never)")
+                        f"by their decode worker while the prefill worker is busy (default {LOCAL_IF_BUSY}; 0: never)")
     p.add_argument("--cpus-per-worker", type=int, default=None,
                    help="cores (and torch threads) per worker; default: the CPU budget split evenly. The budget "
                         "is this process's affinity mask, capped by an exported OMP_NUM_THREADS")
@@ -107,6 +109,15 @@ def _counts(args: argparse.Namespace) -> tuple[int, int]:
     return prefill, args.decode
 
 
+def _local_if_busy(args: argparse.Namespace) -> int | None:
+    """Conditional disaggregation is on by default on one box (as Dynamo's router has it): a short prompt
+    that would queue behind P's prefill is computed by its D now. Measured on 2 cores (docs/PERFORMANCE.md,
+    sessions 19-24): P/D's TTFT p99 was lower with it in every bursty row, ITL p99 stayed below vLLM's."""
+    if args.local_prefill_if_busy is not None:
+        return args.local_prefill_if_busy
+    return None if args.colocated else LOCAL_IF_BUSY
+
+
 def build_commands(args: argparse.Namespace, model: str) -> tuple[list[str], list[tuple[str, str, list[str]]]]:
     """The router's `tandem` arguments and, per worker, (name, role, arguments without --router)."""
     router = ["router", "--model", model, "--host", args.host, "--http-port", str(args.http_port),
@@ -116,7 +127,7 @@ def build_commands(args: argparse.Namespace, model: str) -> tuple[list[str], lis
                         ("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile),
                         ("--tool-call-parser", args.tool_call_parser),
                         ("--reasoning-parser", args.reasoning_parser),
-                        ("--local-prefill-if-busy", args.local_prefill_if_busy)):
+                        ("--local-prefill-if-busy", _local_if_busy(args))):
         if value is not None:
             router += [flag, str(value)]
     if not args.migrate:
