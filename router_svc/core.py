@@ -9,9 +9,9 @@
    D computes the prompt itself, colocated), and `add_request(id, token_ids, sampling,
    prefill_peer=P)` goes to D. No live D: NoWorkers (HTTP 503 / UNAVAILABLE).
    Conditional disaggregation: a prompt of at most `local_prefill_if_busy` tokens whose P already
-   has a prompt in flight goes to D without a peer — D computes it now (mixed into its decode steps)
-   instead of queueing behind P's prefill; longer prompts always wait for P, which is what keeps
-   D's streams smooth.
+   has a prompt in flight goes to an idle P if there is one, else to D without a peer — D computes it
+   now (mixed into its decode steps) instead of queueing behind a prefill; longer prompts always wait
+   for the chosen P, which is what keeps D's streams smooth.
 4. D streams `output` messages back on the router's link to it; each becomes a Chunk on the
    request's queue, which the front end drains (`Stream`). An `error` from D before any token is a
    BadRequest (D's validation), after tokens an internal error.
@@ -135,8 +135,12 @@ class Router(Failover):
             prefills = self.registry.routable("prefill")
             p = cast(Worker, self.prefill_policy.choose(prefills, flight.route)) if prefills else None
             if p is not None and p.inflight > 0 and len(flight.token_ids) <= self.local_prefill_if_busy:
-                p = None  # its P is busy and the prompt is short: D computes it sooner than P would
-                metrics.LOCAL_WHEN_BUSY.inc()
+                idle = [w for w in prefills if w.inflight == 0]
+                if idle:  # another P is free: it computes the prompt now, and D's streams stay undisturbed
+                    p = cast(Worker, self.prefill_policy.choose(idle, flight.route))
+                else:  # every P is busy and the prompt is short: D computes it sooner than a P would
+                    p = None
+                    metrics.LOCAL_WHEN_BUSY.inc()
             try:
                 self.send(d.address, "add_request", id=flight.rid, token_ids=flight.token_ids,
                           sampling=flight.sampling, prefill_peer=p.address if p is not None else None,

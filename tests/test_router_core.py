@@ -232,3 +232,29 @@ def test_core_migrates_twice_with_the_clients_budget_and_the_grammar_resumed():
         assert fields["sampling"]["structured_outputs"] == {**spec, "resume_tokens": 3}
 
     asyncio.run(main())
+
+
+def test_conditional_disaggregation_prefers_an_idle_prefill_worker_to_the_decode_worker():
+    """A short prompt whose chosen P is busy goes to another, idle P; only when every P is busy does D
+    compute it itself (prefill_peer None). A long prompt always goes to the chosen P."""
+    from router_svc.core import Router
+    from router_svc.registry import Registry
+    from tandem.sampling_params import SamplingParams
+
+    class First:  # as prefix affinity can: the same P for every request, busy or not
+        name = "first"
+
+        def choose(self, workers, request):
+            return workers[0]
+
+    reg, sent = Registry(), []
+    for wid, role in (("d", "decode"), ("pa", "prefill"), ("pb", "prefill")):
+        reg.handle({"type": "register", "worker_id": wid, "role": role, "control_address": f"tcp://{wid}",
+                    "model": "m", "interval_ms": 100})
+        reg.on_stats_reply(f"tcp://{wid}", {})
+    router = Router(reg, lambda addr, kind, **f: sent.append((f["id"], f.get("prefill_peer"))), First(), First(),
+                    local_prefill_if_busy=4)
+    params = SamplingParams(max_tokens=2)
+    for rid, prompt in (("r1", [1, 2, 3]), ("r2", [4, 5]), ("r3", [6, 7]), ("r4", list(range(9)))):
+        router.submit(prompt, params, rid)
+    assert sent == [("r1", "tcp://pa"), ("r2", "tcp://pb"), ("r3", None), ("r4", "tcp://pa")]
