@@ -226,24 +226,30 @@ class ShmSender(BaseSender):
         (a prompt sent in one go: one message for the whole transfer)."""
         out: list[Outgoing] = []
         run: list[Outgoing] = []
+        layers: list[int] = []  # the run's layers, in order
+        seen: set[int] = set()  # and as a set: a layer seen again starts a new run (one pass, not layers^2)
 
         def close_run() -> None:
             if run:
-                (layer, dest), layers = run[0].payload_note, [item.payload_note[0] for item in run]
+                layer, dest = run[0].payload_note
                 header = wire.kv_header(self.layout, run[0].request_id, layer, dest,
-                                        layers=layers if len(layers) > 1 else None)
+                                        layers=list(layers) if len(layers) > 1 else None)
                 out.append(Outgoing(run[0].request_id, header, nbytes=sum(item.nbytes for item in run)))
                 run.clear()
+                layers.clear()
+                seen.clear()
 
         for item in held:
             if item.payload_note is None:  # a checksummed notification, complete as it is
                 close_run()
                 out.append(item)
                 continue
-            if run and (item.payload_note[1] != run[0].payload_note[1]
-                        or item.payload_note[0] in {r.payload_note[0] for r in run}):
+            layer, dest = item.payload_note
+            if run and (dest != run[0].payload_note[1] or layer in seen):
                 close_run()
             run.append(item)
+            layers.append(layer)
+            seen.add(layer)
         close_run()
         return out
 
