@@ -85,6 +85,9 @@ class DraftModelSpeculator(Speculator):
     def on_request_finished(self, request_id: str) -> None:
         self.runner.release(request_id)
 
+    def warm_modules(self) -> list[torch.nn.Module]:
+        return [self.runner.model.model.layers]  # as the target's: not the lm_head (one row a prompt)
+
 
 class EagleSpeculator(Speculator):
     """An EAGLE head (--draft-model DIR, default: the shipped head for the shipped target) drafts k
@@ -114,6 +117,9 @@ class EagleSpeculator(Speculator):
 
     def observe_hidden_states(self, hidden: dict[str, tuple[int, torch.Tensor]]) -> None:
         self.runner.observe(hidden)
+
+    def warm_modules(self) -> list[torch.nn.Module]:
+        return [self.runner.head]  # fc and its layer: its catch-up over a new prompt runs them at the prompt's size
 
     def stats(self) -> dict[str, int]:
         return {"target_state_cache_reads": self.runner.num_cache_reads,

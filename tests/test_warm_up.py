@@ -67,3 +67,28 @@ def test_a_cpu_engine_makes_the_onednn_primitives_its_prompts_use(path, monkeypa
     made.clear()
     llm.generate([[(5 * j) % 400 + 3 for j in range(700)]], greedy)
     assert made - at_start  # 700 rows: past the warm-up's bound
+
+
+@pytest.mark.parametrize("speculator", ["eagle", "draft_model"])
+def test_the_speculators_layers_are_warmed_up_too(speculator, monkeypatch):
+    """A speculator's own linears (an EAGLE head's fc and layer: its catch-up over a new prompt; a draft
+    model's layers: its prefill) run at the prompt's size too: their primitives are made at start as well."""
+    from tandem.default_model import default_draft_path, default_eagle_path, default_model_path
+
+    real = linear_mod._ONEDNN
+    made: set[tuple[int, int, int]] = set()
+
+    def spy(x, w, *args):
+        y = real(x, w, *args)
+        made.add((x.shape[0], x.shape[1], y.shape[1]))
+        return y
+
+    monkeypatch.setattr(linear_mod, "_ONEDNN", spy)
+    draft = default_eagle_path() if speculator == "eagle" else default_draft_path()
+    llm = LLM(default_model_path(), speculator=speculator, draft_model=draft, num_speculative_tokens=2,
+              spec_max_batch=2, max_model_len=512, dtype="float32", device="cpu")
+    at_start = set(made)
+    made.clear()
+    llm.generate([[(7 * j) % 900 + 3 for j in range(n)] for n in (131, 290)],
+                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert made and made <= at_start, made - at_start

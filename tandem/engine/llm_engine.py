@@ -87,14 +87,14 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.outputs = OutputBuilder(self.tokenizer, self.scheduler.finish)
-        self._ids = itertools.count()
-        self.current_schedule, self.kv_connector = None, KVConnector()
+        self._ids, self.current_schedule, self.kv_connector = itertools.count(), None, KVConnector()
         self.speculator, self.spec_active, self.spec_switches = None, False, 0  # active: off above spec_max_batch
         self.thread_backoff = ThreadBackoff() if config.torch_device.type == "cpu" else None
         if config.role != "prefill":  # a prefill worker never proposes: its speculator waits for a switch
             self.ensure_speculator()
         spec = config.num_speculative_tokens if config.speculator else 0  # GPU: kernels compiled, graphs captured
-        self.warm_up_seconds = warm_up.warm_up(self.runner, tuple(range(1, spec + 2)), config.spec_max_batch or 1)
+        self.warm_up_seconds = warm_up.warm_up(self.runner, tuple(range(1, spec + 2)), config.spec_max_batch or 1,
+                                               extra=tuple(self.speculator.warm_modules() if self.speculator else ()))
 
     def ensure_speculator(self) -> None:
         """Build the configured speculator, once: at start, or when a prefill worker starts decoding."""

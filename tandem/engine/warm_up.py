@@ -12,8 +12,10 @@ prefill worker took the request.
 On a CPU oneDNN builds a primitive per linear shape and row count (tandem/layers/linear.py buckets the
 counts past 64), ~0.9 ms each: the shipped model's first prompt of each new size paid ~2.5-5 ms (17 prompts
 of distinct sizes: 178-199 ms cold, 123-125 ms warmed; 0.41 s of warm-up, 0.72 s for the 55M Llama). So
-each decoder-layer linear shape runs once at every row count a prompt up to CPU_WARM_ROWS tokens uses. Not
-the lm_head: a prompt's logits are its last row's (and its compute would dominate: ~3 s for the 55M Llama).
+each decoder-layer linear shape runs once at every row count a prompt up to CPU_WARM_ROWS tokens uses, the
+speculator's too (a draft model's layers, an EAGLE head's fc and layer: its catch-up over a new prompt runs
+them at the prompt's size). Not the lm_head: a prompt's logits are its last row's (and its compute would
+dominate: ~3 s for the 55M Llama).
 
 Nothing is written to the cache: every row's slot is -1 (no K/V stored), every table points at block 0,
 and the outputs are dropped. The GPU steps run on a CPU only when forced (the tests force them, with
@@ -37,12 +39,14 @@ CPU_WARM_ROWS = 512  # past it a prefill step is long enough that a primitive's 
 
 
 @torch.inference_mode()
-def warm_up(runner, query_lens: tuple[int, ...] = (1,), spec_batch: int = SIZES[-1], force: bool = False) -> float:
+def warm_up(runner, query_lens: tuple[int, ...] = (1,), spec_batch: int = SIZES[-1], force: bool = False,
+            extra: tuple[torch.nn.Module, ...] = ()) -> float:
     """GPU (or `force`): compile the attention kernels for each kind of step and capture the decode graphs
     of every batch size (query length 1; longer query lengths `query_lens`, a speculator's verification
-    steps, up to `spec_batch` requests). CPU: oneDNN's primitives (module doc). The seconds it took."""
+    steps, up to `spec_batch` requests). CPU: oneDNN's primitives (module doc) for the target's layers and
+    `extra` (a speculator's: Speculator.warm_modules). The seconds it took."""
     start = time.perf_counter()
-    rows = onednn_row_counts(runner.model.model.layers) if runner.device.type == "cpu" else []
+    rows = onednn_row_counts(runner.model.model.layers, *extra) if runner.device.type == "cpu" else []
     widths, captured = _gpu_steps(runner, query_lens, spec_batch) if runner.device.type == "cuda" or force else ([], 0)
     seconds = time.perf_counter() - start
     log.info("warmed up", seconds=round(seconds, 3), onednn_row_counts=len(rows), table_widths=widths, graphs=captured)
@@ -89,13 +93,13 @@ def _forward(runner, width: int, n: int, decode: bool, narrow: bool = False) -> 
     runner.model.compute_logits(hidden[-1:])
 
 
-def onednn_row_counts(layers, max_rows: int = CPU_WARM_ROWS) -> list[int]:
-    """Run each distinct linear shape of `layers` once at every oneDNN row count of a prompt up to
+def onednn_row_counts(*trees: torch.nn.Module, max_rows: int = CPU_WARM_ROWS) -> list[int]:
+    """Run each distinct linear shape in the module `trees` once at every oneDNN row count of a prompt up to
     max_rows tokens (small batches take the C kernels); the row counts, [] without oneDNN."""
     if linear_mod.backend() != "onednn":
         return []
     shapes: dict[tuple, linear_mod.Linear] = {}
-    for module in layers.modules():
+    for module in (m for tree in trees for m in tree.modules()):
         if isinstance(module, linear_mod.Linear) and module.weight.is_cpu:
             shapes.setdefault((module.in_features, module.out_features, module.weight.dtype), module)
     rows = sorted({linear_mod.bucket_rows(n) for n in range(linear_mod.SMALL_BATCH + 1, max_rows + 1)})

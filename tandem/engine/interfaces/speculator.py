@@ -69,6 +69,11 @@ class Speculator(ABC):
         """Counters of this speculator's own, merged into the engine's speculator stats."""
         return {}
 
+    def warm_modules(self) -> list[torch.nn.Module]:
+        """Its own model's layers (a draft model's, an EAGLE head's), which the engine's start-up warm-up
+        runs at every prompt size as it runs the target's (tandem/engine/warm_up.py); none by default."""
+        return []
+
     def on_request_finished(self, request_id: str) -> None:  # noqa: B027 (optional hook)
         """The request finished or was aborted: free anything held for it."""
 
