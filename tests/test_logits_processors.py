@@ -96,6 +96,28 @@ def test_native_penalty_pass_equals_torch_bit_for_bit(monkeypatch):
             logits_processors.process(rows[:1], bad)
 
 
+def test_native_penalty_pass_on_speculative_rows_equals_torch_bit_for_bit(monkeypatch):
+    """A speculative step's rows: one request followed by 0, 1, .. k of its drafts (the C pass reads them from
+    one shared copy of the request's tokens), beside other requests, a second request's rows whose drafts
+    do not extend each other (copies of their own), and a row for another request between them."""
+    rng, vocab = random.Random(2), 61
+    params = [SamplingParams(max_tokens=50, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.8),
+              SamplingParams(max_tokens=50, repetition_penalty=0.8, frequency_penalty=-1.1),
+              SamplingParams(max_tokens=50, repetition_penalty=1.9, presence_penalty=0.6)]
+    a, b, c = (FakeRequest([rng.randrange(vocab) for _ in range(20)], [rng.randrange(vocab) for _ in range(9)], p)
+               for p in params)
+    drafts = [rng.randrange(vocab) for _ in range(4)]
+    reqs = [a] * 5 + [b, b, c, b]
+    extras = [drafts[:j] for j in range(5)] + [[7], [8, 7], [], [7, 9]]
+    rows = torch.randn(len(reqs), vocab) * 5
+    native = logits_processors.process(rows, reqs, extras)
+    with monkeypatch.context() as m:
+        m.setattr(logits_processors, "_penalize_native", lambda *args: False)
+        reference = logits_processors.process(rows, reqs, extras)
+    assert not torch.equal(native, rows)
+    assert torch.equal(native.view(torch.int32), reference.view(torch.int32))
+
+
 def test_bad_values_name_the_field():
     for kw, field in [(dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty="a"), "frequency"),
                       (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_tokens=-1), "min_tokens"),

@@ -56,11 +56,11 @@ def _penalize(rows: torch.Tensor, reqs: list[Any], pen: list[int], extra: list[l
     and a per-request loop of vocabulary-wide tensors cost ~20% of a decode worker's time at 64
     requests (one tensor of indices for the whole batch instead)."""
     dev, vocab = rows.device, rows.shape[1]
+    if _penalize_native(rows, reqs, pen, extra):
+        return
     seqs = [reqs[i].token_array() for i in pen]  # prompt + output, int64
     if extra:
         seqs = [q + array.array("q", extra[i]) if extra[i] else q for q, i in zip(seqs, pen)]
-    if _penalize_native(rows, reqs, pen, seqs):
-        return
     lens = torch.tensor([len(q) for q in seqs], dtype=torch.long)
     flat = torch.frombuffer(bytearray(b"".join(seqs)), dtype=torch.long)
     owner = torch.repeat_interleave(torch.arange(len(pen)), lens)
@@ -90,7 +90,29 @@ def _penalize(rows: torch.Tensor, reqs: list[Any], pen: list[int], extra: list[l
 _marks: dict[int, torch.Tensor] = {}  # per vocabulary size: the C pass's scratch, zero between calls
 
 
-def _penalize_native(rows: torch.Tensor, reqs: list[Any], pen: list[int], seqs: list[array.array]) -> bool:
+def _packed(reqs: list[Any], pen: list[int], extra: list[list[int]] | None
+            ) -> tuple[array.array, array.array, array.array]:
+    """Every penalized row's tokens (prompt + output + its extra) as (flat, starts, lens) for the C pass.
+    A speculative step's rows are one request's tokens followed by 0, 1, .. k drafts: those rows share one
+    copy (row j reads a longer prefix of it) instead of k + 1 copies of the whole sequence."""
+    flat, starts, lens = array.array("q"), array.array("q"), array.array("q")
+    prev = None
+    for i in pen:
+        r, more = reqs[i], extra[i] if extra else []
+        shared = prev is not None and prev[0] is r and prev[1] == more[:len(prev[1])]
+        if not shared:
+            starts.append(len(flat))
+            flat.extend(r.token_array())
+            flat.extend(more)
+        else:  # extends the previous row's tokens, which end the flat buffer: append what it adds
+            starts.append(starts[-1])
+            flat.extend(more[len(prev[1]):])
+        lens.append(len(r.token_array()) + len(more))
+        prev = (r, more)
+    return flat, starts, lens
+
+
+def _penalize_native(rows: torch.Tensor, reqs: list[Any], pen: list[int], extra: list[list[int]] | None) -> bool:
     """_penalize's work in one call of kernels/csrc/penalty_cpu.c (same values, bit for bit); False where
     it does not apply (not a contiguous fp32 CPU tensor, or no native library) and torch does it."""
     lib = native_cpu.library()
@@ -101,15 +123,7 @@ def _penalize_native(rows: torch.Tensor, reqs: list[Any], pen: list[int], seqs: 
     if marks is None:
         marks = _marks[vocab] = torch.zeros(vocab, dtype=torch.int32)
     params = [reqs[i].params for i in pen]
-    lens = array.array("q", map(len, seqs))
-    starts = array.array("q", [0]) * len(seqs)
-    for j in range(1, len(seqs)):
-        starts[j] = starts[j - 1] + lens[j - 1]
-    flat = seqs[0]
-    if len(seqs) > 1:
-        flat = array.array("q")
-        for q in seqs:
-            flat.extend(q)
+    flat, starts, lens = _packed(reqs, pen, extra)
     columns = [array.array("q", pen), array.array("q", [reqs[i].num_prompt_tokens for i in pen]),
                array.array("f", [p.repetition_penalty for p in params]),
                array.array("f", [p.frequency_penalty for p in params]),
