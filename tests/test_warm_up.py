@@ -42,19 +42,25 @@ def test_warm_up_captures_every_size_and_writes_nothing(path):
 
 
 
-def test_a_cpu_engine_makes_the_onednn_primitives_its_prompts_use(path, monkeypatch):
-    """Every oneDNN product a prompt of up to CPU_WARM_ROWS tokens makes (a shape at a row count: a
-    primitive) was made while the engine was built; a longer prompt's were not (the bound holds)."""
+@pytest.fixture
+def made(monkeypatch) -> set[tuple[int, int, int]]:
+    """The oneDNN products run from now on, as (rows, in, out): each is a primitive oneDNN makes once."""
     real = linear_mod._ONEDNN
     assert real is not None  # this CPU has oneDNN: the path under test
-    made: set[tuple[int, int, int]] = set()
+    seen: set[tuple[int, int, int]] = set()
 
     def spy(x, w, *args):
         y = real(x, w, *args)
-        made.add((x.shape[0], x.shape[1], y.shape[1]))
+        seen.add((x.shape[0], x.shape[1], y.shape[1]))
         return y
 
     monkeypatch.setattr(linear_mod, "_ONEDNN", spy)
+    return seen
+
+
+def test_a_cpu_engine_makes_the_onednn_primitives_its_prompts_use(path, made):
+    """Every oneDNN product a prompt of up to CPU_WARM_ROWS tokens makes (a shape at a row count: a
+    primitive) was made while the engine was built; a longer prompt's were not (the bound holds)."""
     llm = LLM(path, num_kv_blocks=96, max_model_len=1024, dtype="float32", device="cpu")  # a GPU box too
     assert llm.engine.warm_up_seconds > 0
     at_start = set(made)
@@ -70,20 +76,11 @@ def test_a_cpu_engine_makes_the_onednn_primitives_its_prompts_use(path, monkeypa
 
 
 @pytest.mark.parametrize("speculator", ["eagle", "draft_model"])
-def test_the_speculators_layers_are_warmed_up_too(speculator, monkeypatch):
+def test_the_speculators_layers_are_warmed_up_too(speculator, made):
     """A speculator's own linears (an EAGLE head's fc and layer: its catch-up over a new prompt; a draft
     model's layers: its prefill) run at the prompt's size too: their primitives are made at start as well."""
     from tandem.default_model import default_draft_path, default_eagle_path, default_model_path
 
-    real = linear_mod._ONEDNN
-    made: set[tuple[int, int, int]] = set()
-
-    def spy(x, w, *args):
-        y = real(x, w, *args)
-        made.add((x.shape[0], x.shape[1], y.shape[1]))
-        return y
-
-    monkeypatch.setattr(linear_mod, "_ONEDNN", spy)
     draft = default_eagle_path() if speculator == "eagle" else default_draft_path()
     llm = LLM(default_model_path(), speculator=speculator, draft_model=draft, num_speculative_tokens=2,
               spec_max_batch=2, max_model_len=512, dtype="float32", device="cpu")

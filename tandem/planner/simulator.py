@@ -2,8 +2,7 @@
 
 What it models, following the engine (docs/ARCHITECTURE.md, "One request, disaggregated"):
 1. Arrival: the router picks the least-loaded D (in-flight requests) and, disaggregated, the least-loaded P
-   (`local_if_busy`: a prompt that short stays on D when every P has one in flight, as router_svc/core.py
-   does; the least-loaded P is busy only then).
+   (`local_if_busy`: a prompt that short stays on D when every P is busy, as router_svc/core.py does).
 2. D seats it (at most `max_num_seqs` seats) at the start of its next step, or at once when idle; a prompt
    of at least `local_prefill_threshold` tokens goes to its P (the seat held while it waits), else D's.
 3. P runs FCFS chunked prefill: each step takes up to the token budget from its seated requests in
