@@ -99,15 +99,15 @@ def _packed(reqs: list[Any], pen: list[int], extra: list[list[int]] | None
     prev = None
     for i in pen:
         r, more = reqs[i], extra[i] if extra else []
-        shared = prev is not None and prev[0] is r and prev[1] == more[:len(prev[1])]
-        if not shared:
-            starts.append(len(flat))
-            flat.extend(r.token_array())
-            flat.extend(more)
-        else:  # extends the previous row's tokens, which end the flat buffer: append what it adds
-            starts.append(starts[-1])
+        base = r.token_array()
+        if prev is not None and prev[0] is r and prev[1] == more[:len(prev[1])]:
+            starts.append(starts[-1])  # extends the previous row's tokens, which end `flat`: append what it adds
             flat.extend(more[len(prev[1]):])
-        lens.append(len(r.token_array()) + len(more))
+        else:
+            starts.append(len(flat))
+            flat.extend(base)
+            flat.extend(more)
+        lens.append(len(base) + len(more))
         prev = (r, more)
     return flat, starts, lens
 
