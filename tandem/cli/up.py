@@ -199,8 +199,10 @@ def run(args: argparse.Namespace) -> int:
         health = wait_healthy(sup, ep["http"], decode=decode, prefill=prefill, timeout=args.startup_timeout)
         return {**ep, "model": health.get("model", ""), "workers": ready}
 
-    summary = f"{prefill} prefill + {decode} decode" + (" (colocated)" if args.colocated else
-                                                        f" (kv connector {args.kv_connector})")
+    local = _local_if_busy(args)
+    summary = f"{prefill} prefill + {decode} decode" + (" (colocated)" if args.colocated else (
+        f" (kv connector {args.kv_connector}; prompts of <= {local} tokens prefilled on D while every P is busy)"
+        if local else f" (kv connector {args.kv_connector})"))
     return run_supervised(sup, start_all, "tandem up", summary)
 
 
