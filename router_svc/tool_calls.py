@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router_svc.errors import BadRequest
-from router_svc.tool_parsers import parse_calls
+from router_svc.tool_parsers import PARSERS, parse_calls
 from router_svc.tool_parsers import reader as make_reader
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -127,8 +127,8 @@ def tool_plan(body: dict[str, Any], parser: str | None = None
         return tools, ToolPlan(None, parser=parser, tools=tuple(functions))
     if choice is None or choice == "auto":
         raise BadRequest('tool_choice "auto" (the default when tools are given) needs a tool-call parser for the '
-                         "model's own call format: start the router with --tool-call-parser (hermes, llama3_json), or "
-                         'send tool_choice "required", "none", or {"type": "function", "function": {"name": ...}}',
+                         f"model's own call format: start the router with --tool-call-parser ({', '.join(PARSERS)}), "
+                         'or send tool_choice "required", "none", or {"type": "function", "function": {"name": ...}}',
                          param="tool_choice")
     if choice == "none":
         return tools, None

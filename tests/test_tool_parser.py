@@ -243,3 +243,41 @@ def test_llama3_json_split_anywhere_equals_whole():
                 assert "".join(d.get("content", "") for d in deltas) == (whole or "")
                 assert _named([c for d in deltas for c in d.get("tool_calls", ())]) == _named(calls)
     assert _named(parse_calls(f"<|python_tag|>{call}", "llama3_json", ("f",))[1]) == [("f", '{"a": 1}')]
+
+
+def _split_anywhere_equals_whole(name: str, samples: dict[str, int], tools: tuple[str, ...]) -> None:
+    """Every sample read whole finds `count` calls (and is content as written when it finds none), and read
+    as three chunks split at any two places sends the same content and calls."""
+    for text, count in samples.items():
+        whole, calls = parse_calls(text, name, tools)
+        assert len(calls) == count, text
+        if count == 0:
+            assert whole == (text or None)  # not calls: the text as written
+        for cut in range(len(text) + 1):
+            for second in range(cut, len(text) + 1, 3):
+                stream = reader(name, tools)
+                deltas = stream.feed(text[:cut], False) + stream.feed(text[cut:second], False) + stream.feed(
+                    text[second:], True)
+                assert "".join(d.get("content", "") for d in deltas) == (whole or ""), (text, cut, second)
+                assert _named([c for d in deltas for c in d.get("tool_calls", ())]) == _named(calls)
+
+
+def test_mistral_reads_both_call_formats_split_anywhere():
+    array = '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]'
+    v11 = '[TOOL_CALLS]f[ARGS]{"a": [1, 2]}[TOOL_CALLS]g[ARGS]{"b": "x"}'
+    samples = {array: 2, f"Let me check.{v11}": 2, v11: 2, "No tools [TOOL here": 0, "": 0,
+               '[TOOL_CALLS][{"name": "h", "arguments": {}}]': 0,  # no such tool: content
+               "[TOOL_CALLS]f[ARGS]{not json": 0, '[TOOL_CALLS]{"name": "f"}': 0, "[TOOL_CALLS][]": 0}
+    _split_anywhere_equals_whole("mistral", samples, ("f", "g"))
+    content, calls = parse_calls(f"Let me check.{v11}", "mistral", ("f", "g"))
+    assert content == "Let me check." and _named(calls) == [("f", '{"a": [1, 2]}'), ("g", '{"b": "x"}')]
+
+
+def test_pythonic_reads_a_list_of_calls_and_never_runs_code():
+    calls = '[f(a=1, b="two", c=[3.5, None, True]), g()]'
+    samples = {calls: 2, f"<|python_start|>{calls}<|python_end|>": 2, f"  {calls}\n": 2, "[1, 2]": 0,
+               "Hello [world]": 0, "[f(1)]": 0, "[f(**kw)]": 0, "[h(a=1)]": 0, "[f(a={1, 2})]": 0,
+               '[__import__("os").system("true")]': 0, "[f(a=x)]": 0, "[f(a=1)": 0, "": 0, "<|python": 0}
+    _split_anywhere_equals_whole("pythonic", samples, ("f", "g"))
+    assert _named(parse_calls(calls, "pythonic", ("f", "g"))[1]) == [
+        ("f", '{"a": 1, "b": "two", "c": [3.5, null, true]}'), ("g", "{}")]

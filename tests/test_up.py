@@ -244,7 +244,7 @@ def test_up_passes_the_parsers_to_the_router_and_refuses_unknown_ones(capsys):
     assert "--tool-call-parser" not in build_commands(build_parser().parse_args(["up"]), "/m")[0]
     for command in ("up", "router"):
         with pytest.raises(SystemExit) as exit_:
-            build_parser().parse_args([command, "--tool-call-parser", "pythonic"])
+            build_parser().parse_args([command, "--tool-call-parser", "xlam"])
         assert exit_.value.code == 2 and "--tool-call-parser" in capsys.readouterr().err
         with pytest.raises(SystemExit) as exit_:
             build_parser().parse_args([command, "--reasoning-parser", "granite"])

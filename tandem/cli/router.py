@@ -71,8 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=PARSERS,
                    help="serve tool_choice 'auto' (OpenAI's default with tools): read the calls the model writes "
                         "in this format out of its text (hermes: <tool_call>{...}</tool_call>, Hermes / Qwen "
-                        "templates; llama3_json: Llama 3.x JSON calls; vLLM's --enable-auto-tool-choice "
-                        "--tool-call-parser NAME)")
+                        "templates; llama3_json: Llama 3.x JSON calls; mistral: [TOOL_CALLS] calls; pythonic: "
+                        "[f(a=1), g(b=2)] lists; vLLM's --enable-auto-tool-choice --tool-call-parser NAME)")
     p.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="chat answers' <think>...</think> text goes to message.reasoning_content, the rest to "
                         "content (qwen3: Qwen3 / QwQ; deepseek_r1: DeepSeek-R1, whose template opens the block)")
