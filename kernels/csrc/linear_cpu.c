@@ -53,6 +53,30 @@ static inline float load1w(float v) { return v; }
  * (enough independent FMAs in flight; their sum is the only change of order). Only AVX2 builds use it: for
  * one row, and for 7-8 rows with U = 1 (in pairs their 14-16 accumulators would spill AVX2's 16 vector
  * registers); every other case runs in pairs of weight rows (below). */
+/* Past one input row a vector's lanes are summed as a tree of halves (lanes i and i + L/2 first), not one
+ * after another: the serial lane-order sum of the 2M accumulators cost ~14% of a 5-row product at K = 256 (the
+ * shipped model's four layer linears, 2 threads: 5 rows 90.9 -> 78.2 us, 8 rows 119.1 -> 100.0); one row keeps
+ * the serial sum (the tree made batch-1 decode ~4% slower). One fixed order per output either way, whatever
+ * the thread count. */
+typedef float f32x4 __attribute__((vector_size(16)));
+
+#define LANE_SUM(L)                                                                                           \
+    static inline float lsum##L(const f32x##L v) {                                                            \
+        float s = 0.f;                                                                                        \
+        for (int i = 0; i < L; i++) s += v[i];                                                                \
+        return s;                                                                                             \
+    }
+LANE_SUM(8)
+
+static inline float hsum4(f32x4 v) { return (v[0] + v[2]) + (v[1] + v[3]); }
+
+static inline float hsum8(f32x8 v) {
+    f32x4 lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    return hsum4(lo + hi);
+}
+
 #define PREFETCH_AHEAD 4096
 #define PREFETCH_LOCALITY 2 /* prefetcht1 (L2): beat 0 (nta, 1.4x slower) and 3 (t0) at 1-3 rows */
 
@@ -93,7 +117,7 @@ static inline float load1w(float v) { return v; }
  * "Session 19"): 4 rows 99 -> 80 us, 5 rows 110 -> 88, 6 rows 121 -> 96, 8 rows 140 -> 118; 16 lanes against
  * 8 ("Session 24"): 1 row 50.4 -> 45.3 us, 5 rows 91.0 -> 80.8, the model's batch-1 decode 1088-1105 ->
  * 1143-1165 tok/s. An odd last weight row is paired with itself (computed twice, stored once), so every
- * (m, n) sum runs in one order — L lanes along K, their sum in lane order, then the tail — whichever rows a
+ * (m, n) sum runs in one order — L lanes along K, their sum as a tree (hsum), then the tail — whichever rows a
  * thread's share pairs: a different thread count (ThreadBackoff) never changes a bit. */
 #define PAIR_ROWS(NAME, T, V, L, WIDENV, LOADV, WIDEN1, M)                                                    \
     static void NAME##_pairs##L##_##M(const float *x, const T *w, int64_t K, float *y, int64_t N, int64_t n0, \
@@ -117,8 +141,7 @@ static inline float load1w(float v) { return v; }
                 }                                                                                             \
             }                                                                                                 \
             for (int m = 0; m < M; m++) {                                                                     \
-                float s0 = 0.f, s1 = 0.f;                                                                     \
-                for (int i = 0; i < L; i++) s0 += a0[m][i], s1 += a1[m][i];                                  \
+                float s0 = M > 1 ? hsum##L(a0[m]) : lsum##L(a0[m]), s1 = M > 1 ? hsum##L(a1[m]) : lsum##L(a1[m]); \
                 for (int64_t j = kv; j < K; j++) s0 += x[m * K + j] * WIDEN1(r0[j]), s1 += x[m * K + j] * WIDEN1(r1[j]); \
                 y[m * N + n] = s0 + (bias ? bias[n] : 0.f);                                                   \
                 if (two) y[m * N + n + 1] = s1 + (bias ? bias[n + 1] : 0.f);                                  \
@@ -129,6 +152,15 @@ static inline float load1w(float v) { return v; }
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+LANE_SUM(16)
+
+static inline float hsum16(f32x16 v) {
+    f32x8 lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    return hsum8(lo + hi);
+}
 
 static inline f32x16 widen16(const uint16_t *p) {
     u16x16 h;
