@@ -35,7 +35,10 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = sorted(_CSRC.glob("*.c"))  # all of them: the cache key below covers every file in csrc/
 # gnu11, not c11: ISO mode turns off the contraction of a * b + c into one FMA (5-8% of the attention kernel).
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+# -fno-trapping-math: no kernel enables FP traps, and with them possible GCC will not turn exp_approx's clamps
+# into selects, so every loop calling it (SiLU, the softmax) stayed scalar ("control flow in loop").
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
+          "-std=gnu11"]
 _lib: list = []  # [] not tried yet; [None] unavailable; [CDLL] loaded
 
 
