@@ -32,7 +32,7 @@ def test_the_library_builds_here():
 
 @pytest.mark.parametrize("h,hkv,d", [(8, 2, 64), (8, 4, 32), (8, 2, 32), (4, 4, 128), (6, 1, 16)])
 @pytest.mark.parametrize("q_len", [1, 4])
-@pytest.mark.parametrize("window", [None, 40, 7])
+@pytest.mark.parametrize("window", [None, 40, 7, 150])  # 150: a window over two 128-key tiles
 @pytest.mark.parametrize("bs", [16, 8])
 def test_equals_reference(h, hkv, d, q_len, window, bs):
     lens = [q_len, bs, bs + 1, 3 * bs, 97, 255, 40 + q_len]
