@@ -154,13 +154,19 @@ static inline void dots8(const float *q, const float *k0, int64_t stride, const 
 #endif
 }
 
-/* Keys per tile: the blocks of one tile are copied together, then every query row works the tile's keys in
+/* Keys per tile at most: the blocks of one tile are copied together, then every query row works the tile's keys in
  * one online-softmax step. Why tiles and not blocks: at a block of 16 keys and a head of 32, a row's
  * per-step work (max, exp, sum, rescale, accumulators loaded and stored) was most of its time (5 query
  * rows cost 3x one row over the same keys). */
 #define TILE 128
+#define TILE_BYTES (128 << 10) /* and at most this much K and V (one block where one is more): with 8 KV heads of
+                                * 128, 128 keys made 1 MiB, past L2, and ran 7-17% slower than one block */
 
-static inline int tile_keys(int BS) { return BS >= TILE ? BS : TILE / BS * BS; } /* whole blocks */
+static inline int tile_keys(int BS, int Hkv, int D) { /* whole blocks, at least one */
+    int keys = TILE_BYTES / (2 * Hkv * D * (int)sizeof(float));
+    keys = (keys < TILE ? keys : TILE) / BS * BS;
+    return keys < BS ? BS : keys;
+}
 
 /* Copy the K and V rows of heads [g_lo, g_lo + nh) of `n` keys of one block into kbuf / vbuf (rows ks apart). */
 static inline __attribute__((always_inline)) void copy_block(float *kbuf, float *vbuf, const float *src, int n,
@@ -198,7 +204,7 @@ static inline __attribute__((always_inline)) void attend(
     const int64_t key_stride = (int64_t)Hkv * D;     /* token t -> t + 1 within a block */
     const int nh = g_hi - g_lo;                        /* blockbuf holds these heads' rows only */
     const int64_t ks = (int64_t)nh * D;                /* ... token stride */
-    const int tile = tile_keys(BS);
+    const int tile = tile_keys(BS, Hkv, D);
     float *kbuf = blockbuf, *vbuf = blockbuf + (int64_t)tile * ks;
     for (int j0 = lo / BS * BS; j0 < seq_len; j0 += tile) {
         const int n = seq_len - j0 < tile ? seq_len - j0 : tile; /* keys in this tile */
@@ -302,7 +308,7 @@ int tandem_paged_decode_f32(const float *query, const float *cache, const int32_
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && units > 1)
     {
         /* per-thread scratch: the rows' accumulators, one tile's scores and its keys and values */
-        const int tile = tile_keys(BS);
+        const int tile = tile_keys(BS, Hkv, D);
         float *acc = malloc(sizeof(float) * (H * Q * D + (H / Hkv) * tile + 2 * tile * Hkv * D));
         float *s = acc + H * Q * D, *blockbuf = s + (H / Hkv) * tile;
 #pragma omp for schedule(dynamic, 1)
