@@ -49,7 +49,23 @@ if _choice not in ("", "onednn", "torch"):
 _mkldnn = getattr(torch.ops, "mkldnn", None)
 _ONEDNN = (getattr(_mkldnn, "_linear_pointwise", None)
            if _choice != "torch" and torch.backends.mkldnn.is_available() else None)
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _bf16_inner_product() -> bool:
+    """Whether this CPU's oneDNN builds a bf16 inner product: it needs AVX-512 or newer; on an AVX2-only CPU
+    (the AMD EPYC VM of session 26) it refuses ("could not create a primitive descriptor"), and every bf16
+    linear raised. There, bf16 goes to F.linear."""
+    check = getattr(_mkldnn, "_is_mkldnn_bf16_supported", None)
+    if check is not None:
+        return bool(check())
+    try:
+        _ONEDNN(torch.ones(1, 8, dtype=torch.bfloat16), torch.ones(8, 8, dtype=torch.bfloat16), None, "none", [], "")
+        return True
+    except RuntimeError:
+        return False
+
+
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if _ONEDNN is not None and _bf16_inner_product() else (torch.float32,)
 PACK_ROWS = 64  # the batch size oneDNN lays packed weights out for (8 and 64 measured the same)
 _REORDER = getattr(_mkldnn, "_reorder_linear_weight", None) if _ONEDNN is not None else None
 # Rows up to which weights go through kernels/csrc/linear_cpu.c (one pass over the weights per 8 rows; a
