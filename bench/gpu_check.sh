@@ -12,7 +12,8 @@
 #   5. bench.decode_profile: where a batch-1 decode step's time goes (CUDA launches, copies, syncs);
 #   6. bench.speculative at batch 1 and 4 (graphs replay ngram's verification steps);
 #   7. `tandem up` on the GPU (P and D share it over zmq), 8 req/s: where TTFT goes (bench.ttft_breakdown);
-#   8. P/D on one GPU: tests/test_disagg.py's token-identity test through each connector.
+#   8. P/D on one GPU: tests/test_disagg.py's token-identity test through zmq (the shm connector refuses GPU caches
+#      by design, and NCCL does not link two ranks on one GPU: torch_dist would fall back every time).
 # Each step has its own time limit and log (OUTDIR/<step>.log); a summary line per step is printed.
 #
 #     [STEPS="offline disagg"] bash bench/gpu_check.sh [OUTDIR]
@@ -67,6 +68,6 @@ step speculative "${LIMIT_SPEC:-150}" $py -m bench.speculative --batches ${SPEC_
     --workload ${SPEC_WORKLOAD:-repeat}
 step serving "${LIMIT_SERVING:-150}" $py -m bench.ttft_breakdown --rate 8
 step disagg "${LIMIT_DISAGG:-150}" $py -m pytest -q -p no:cacheprovider $xdist tests/test_disagg.py \
-    -k test_disaggregated_output_identical_and_decode_reuses_cache
+    -k "test_disaggregated_output_identical_and_decode_reuses_cache and zmq"
 
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
