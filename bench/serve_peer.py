@@ -4,6 +4,7 @@ same checkpoint, measured by one client -- vLLM's own `vllm bench serve` -- for 
     python -m bench.serve_peer --vllm-python /path/to/vllm-venv/bin/python \
         [--model DIR] [--rates 2,8[,inf]] [--num-prompts 40] [--input-len 256] [--output-len 64] [--range-ratio 0] \
         [--modes vllm,tandem-pd,tandem-colocated[,tandem-pd-cond]] [--omp-variants unset[,exported]] [--out FILE]
+        [--capacity-fractions 0.25,0.5,0.75]
 
 Each mode starts its server as a child process group on 127.0.0.1 (free ports), waits for /health,
 sends a short warm-up burst, then for each rate runs `vllm bench serve --dataset-name random
@@ -23,6 +24,12 @@ explicit KV-cache size (VLLM_CPU_KVCACHE_SPACE, GiB; default here 1, about tande
 or it tries to reserve 92% of RAM; its default VLLM_CPU_OMP_THREADS_BIND=auto binds the engine to
 one core and leaves the other to the API server -- as tandem up pins prefill and decode to a core
 each. Both servers run float32 with the same served model name.
+
+Rates from the peer's capacity (`--capacity-fractions`): fixed rates mean different loads on different
+CPUs — the 2/5/8 req/s grid sized on an AVX-512 Xeon was past vLLM's saturation on a 2-core AVX2 EPYC, where
+every row measured queues. With fractions, vLLM runs first with every request at once (rate inf); its
+completed requests over the run's duration is its capacity C, and each server then runs inf and f x C for
+every fraction f (the same rates and prompts for all; tandem's inf row is its own capacity beside vLLM's).
 
 `tandem-pd-cond` is `tandem up` P/D as it starts by default, with conditional disaggregation (prompts of up
 to 512 tokens are prefilled on D while P is busy); `tandem-pd` turns that off (`--local-prefill-if-busy 0`:
@@ -84,6 +91,14 @@ def run_client(a, base: str, served: str, rate: str, seed: int, result: Path, en
     if errors:
         out["errors"] = sorted(set(errors))[:5]
     return out
+
+
+def capacity_rates(row: dict, fractions: list[float]) -> list[str]:
+    """The Poisson rates that are `fractions` of the capacity a burst row shows (completed / duration)."""
+    if not row.get("completed") or not row.get("duration_s"):
+        raise SystemExit(f"vLLM's burst run gave no capacity: {row.get('error') or row}")
+    row["capacity_req_s"] = round(row["completed"] / row["duration_s"], 3)
+    return [f"{f * row['capacity_req_s']:.2f}" for f in fractions]
 
 
 def server_cmd(a, mode: str, port: int, served: str) -> list[str]:
@@ -157,6 +172,9 @@ def main() -> None:
     p.add_argument("--modes", default="vllm,tandem-pd,tandem-colocated")
     p.add_argument("--omp-variants", default="unset",
                    help="unset: OMP_NUM_THREADS removed; exported: set to the core count")
+    p.add_argument("--capacity-fractions", default="",
+                   help="instead of --rates: inf, then these fractions of vLLM's measured capacity (req/s); "
+                        "needs vllm as the first mode")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--out", help="JSON results (default: in the run directory)")
     a = p.parse_args()
@@ -169,6 +187,10 @@ def main() -> None:
     if not a.vllm_python or not Path(a.vllm_python).exists():
         sys.exit("no --vllm-python: skipping the vLLM rows -- and `vllm bench serve` is the "
                  "client for every mode, so there is nothing to run. Point it at a venv with vLLM.")
+    fractions = [float(f) for f in a.capacity_fractions.split(",") if f]
+    if fractions and (modes[0] != "vllm" or a.omp_variants.count(",")):
+        p.error("--capacity-fractions measures vLLM's capacity first: put vllm first in --modes, one --omp-variants")
+    rates = ["inf"] if fractions else a.rates.split(",")
 
     run_dir = Path(tempfile.mkdtemp(prefix="serve_peer-"))
     out = Path(a.out) if a.out else run_dir / "results.json"
@@ -190,7 +212,7 @@ def main() -> None:
                 startup = server.wait_ready(a.startup_timeout)
                 print(f"[{mode}] ready in {startup:.1f}s; warming up", flush=True)
                 warm_up(server.base, served, a.input_len)
-                for seed, rate in enumerate(a.rates.split(",")):
+                for seed, rate in enumerate(rates):  # (vLLM's inf row appends the capacity rates as it goes)
                     row = {"mode": mode, "omp": omp, "rate": rate, "startup_s": round(startup, 1),
                            "loadavg": os.getloadavg()}
                     try:
@@ -202,6 +224,10 @@ def main() -> None:
                     if row.get("errors"):
                         print(f"[{mode}] rate {rate}: request errors: {row['errors']}", flush=True)
                     report["runs"].append(row)
+                    if fractions and mode == "vllm" and rate == "inf":
+                        rates += capacity_rates(row, fractions)
+                        report["capacity_req_s"] = row.get("capacity_req_s")
+                        print(f"[vllm] capacity {row.get('capacity_req_s')} req/s: rates {rates[1:]}", flush=True)
                     print(f"[{mode}] omp={omp} rate={rate}: "
                           + json.dumps({k: row.get(k) for k in ("completed", "failed",
                                         "p99_ttft_ms", "p50_itl_ms", "output_tok_s")}), flush=True)
