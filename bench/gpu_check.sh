@@ -33,7 +33,8 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTH
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}  # 8 pytest workers share the CPU: transformers oracles stay small
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 py=${PYTHON:-python3}
-xdist=$($py -c "import xdist" 2>/dev/null && echo "-n 8")
+# 8 workers, tests spread one by one; without xdist, pyproject's "-n auto" would be an unknown option
+xdist=$($py -c "import xdist" 2>/dev/null && echo "-n 8 --dist load" || echo "-o addopts=-ra")
 summary=()
 
 step() {  # step NAME SECONDS COMMAND...   (skipped unless NAME is in $STEPS, when that is set)

@@ -1,4 +1,5 @@
-"""Shared test setup: offline Hugging Face, Triton in interpreter mode when there is no GPU."""
+"""Shared test setup: offline Hugging Face, Triton in interpreter mode when there is no GPU, and how many
+pytest-xdist workers `-n auto` (pyproject's addopts) starts."""
 
 import os
 
@@ -14,3 +15,14 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:  # pragma: no cover
     pass
+
+
+MAX_WORKERS = 4  # each worker's tests start whole clusters of processes; more than 4 at once only contend
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: the cores this process may run on (its affinity mask, as tandem up counts them), at most
+    MAX_WORKERS; PYTEST_XDIST_AUTO_NUM_WORKERS overrides, as in xdist itself."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))

@@ -10,7 +10,9 @@ directory never joins the cluster.
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import stat
 import subprocess
@@ -19,11 +21,26 @@ import time
 
 import msgpack
 import pytest
+import structlog
 import zmq
 from service_procs import ENV, ROOT, Proc, get_json, post, router_endpoints, start_router, stop_all, wait_workers
 
+from tandem.observability.logging import configure_logging
 from tandem.protocol import security
 from tandem.protocol.codec import PROTOCOL_VERSION
+
+
+@pytest.fixture
+def log_lines():
+    """This process's log lines, JSON, into a buffer for the test (restored after): reading captured stdout
+    instead passed or failed with whatever an earlier test in the same process had pointed logging at."""
+    root, config = logging.getLogger(), structlog.get_config()
+    handlers, level, buf = root.handlers[:], root.level, io.StringIO()
+    configure_logging("info", json=True, stream=buf)
+    yield lambda: buf.getvalue().splitlines()
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    structlog.configure(**config)
 
 
 @pytest.fixture
@@ -48,7 +65,7 @@ def _rogue(address: str, keys: security.LinkKeys | None = None, server_key: byte
     return sock
 
 
-def test_curve_admits_the_cluster_key_only(secured, capsys):
+def test_curve_admits_the_cluster_key_only(secured, log_lines):
     ctx = zmq.Context()
     server = security.server(ctx.socket(zmq.ROUTER))
     port = server.bind_to_random_port("tcp://127.0.0.1")
@@ -65,7 +82,7 @@ def test_curve_admits_the_cluster_key_only(secured, capsys):
     # the member's link still works after the refusals
     member.send(b"still here")
     assert server.poll(3000) and server.recv_multipart()[1] == b"still here"
-    refused = [line for line in capsys.readouterr().out.splitlines() if "refused a link peer" in line]
+    refused = [line for line in log_lines() if "refused a link peer" in line]
     assert len(refused) == 1 and wrong.public.decode() in refused[0], refused  # one key, logged once
     for s in (*rogues, member, server):
         s.close(0)
