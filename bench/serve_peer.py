@@ -187,7 +187,12 @@ def main() -> None:
     if not a.vllm_python or not Path(a.vllm_python).exists():
         sys.exit("no --vllm-python: skipping the vLLM rows -- and `vllm bench serve` is the "
                  "client for every mode, so there is nothing to run. Point it at a venv with vLLM.")
-    fractions = [float(f) for f in a.capacity_fractions.split(",") if f]
+    try:
+        fractions = [float(f) for f in a.capacity_fractions.split(",") if f]
+    except ValueError:
+        p.error(f"--capacity-fractions takes numbers separated by commas, got {a.capacity_fractions!r}")
+    if any(f <= 0 for f in fractions):
+        p.error(f"--capacity-fractions must be > 0 (fractions of vLLM's req/s), got {a.capacity_fractions!r}")
     if fractions and (modes[0] != "vllm" or a.omp_variants.count(",")):
         p.error("--capacity-fractions measures vLLM's capacity first: put vllm first in --modes, one --omp-variants")
     rates = ["inf"] if fractions else a.rates.split(",")

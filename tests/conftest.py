@@ -22,7 +22,8 @@ MAX_WORKERS = 4  # each worker's tests start whole clusters of processes; more t
 
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: the cores this process may run on (its affinity mask, as tandem up counts them), at most
-    MAX_WORKERS; PYTEST_XDIST_AUTO_NUM_WORKERS overrides, as in xdist itself."""
+    MAX_WORKERS. With PYTEST_XDIST_AUTO_NUM_WORKERS set, xdist's own hook reads it (and warns on a bad value)."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
-        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
-    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, MAX_WORKERS))
