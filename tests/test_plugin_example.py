@@ -2,9 +2,11 @@
 entry-point group: once pip-installed, the engine uses its `fifo` eviction policy and its
 `repeat_last` speculator by name, and `tandem plugins` lists both with their package.
 
-Engines run in subprocesses so that the freshly installed entry points are read from scratch."""
+Engines run in subprocesses so that the freshly installed entry points are read from scratch. The package is
+pip-installed into a directory of its own, on those subprocesses' PYTHONPATH: installed into the shared
+environment, every other test's workers running meanwhile (tests run in parallel) saw it come and go — a decode
+worker once started while it was half uninstalled and refused the broken plugin."""
 
-import importlib.metadata as md
 import importlib.util
 import json
 import os
@@ -30,20 +32,15 @@ def _pip(*args: str) -> None:
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    try:
-        md.distribution(DIST)
-        was_installed = True
-    except md.PackageNotFoundError:
-        was_installed = False
+    """The directory the example package is installed into (its code and its entry points' dist-info)."""
     src = tmp_path_factory.mktemp("example") / "pkg"  # build from a copy: no build/ left in the repo
     shutil.copytree(EXAMPLE, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    target = tmp_path_factory.mktemp("site")
     # Build with the environment's setuptools (no download); a venv without it (Python >= 3.12 ships
     # none) lets pip fetch the build backend in isolation instead.
     isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
-    _pip("install", "--no-deps", *isolation, "--force-reinstall", "-q", str(src))
-    yield
-    if not was_installed:  # leave the environment as we found it
-        _pip("uninstall", "-y", "-q", DIST)
+    _pip("install", "--no-deps", *isolation, "--target", str(target), "-q", str(src))
+    return str(target)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +48,9 @@ def model_path(tmp_path_factory):
     return make_checkpoint(str(tmp_path_factory.mktemp("llama")), "llama")
 
 
-def _run(*argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+def _run(site: str, *argv: str) -> subprocess.CompletedProcess:
+    path = os.pathsep.join([site, *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
     env.pop("TANDEM_DISABLE_PLUGINS", None)
     proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -90,7 +88,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
 
 
 def test_engine_uses_third_party_eviction_and_speculator(installed, model_path):
-    res = json.loads(_run("-c", ENGINE_SCRIPT, model_path, str(BS)).stdout.strip().splitlines()[-1])
+    res = json.loads(_run(installed, "-c", ENGINE_SCRIPT, model_path, str(BS)).stdout.strip().splitlines()[-1])
     assert res["policy"] == "tandem_plugin_example.fifo.FIFOEviction"
     assert res["speculator"] == "tandem_plugin_example.repeat_last.RepeatLastSpeculator"
     # lru moved A behind B when A was hit again, so the flood evicted B; fifo evicts in fill order: A.
@@ -104,7 +102,7 @@ def test_tandem_plugins_lists_the_package(installed):
     # One interpreter runs `tandem plugins --json` and then the table (torch import dominates).
     script = ("import sys\nfrom tandem.cli import main\n"
               "main(['plugins', '--json']); print('=====', flush=True); sys.exit(main(['plugins']))")
-    as_json, table = _run("-c", script).stdout.split("=====\n")
+    as_json, table = _run(installed, "-c", script).stdout.split("=====\n")
     rows = json.loads(as_json)
     by_name = {(r["kind"], r["name"]): r for r in rows}
     for key in (("eviction", "fifo"), ("speculator", "repeat_last")):
@@ -118,7 +116,7 @@ def test_disabled_plugin_is_not_loaded(installed):
     env_script = ("import os; os.environ['TANDEM_DISABLE_PLUGINS'] = 'example'\n"
                   "from plugins.registry import resolve_eviction\n"
                   "try:\n    resolve_eviction('fifo', 4)\nexcept ValueError as e:\n    print(e)\n")
-    out = _run("-c", env_script).stdout
+    out = _run(installed, "-c", env_script).stdout
     assert "unknown eviction policy 'fifo'" in out and "prefix_aware" in out
 
 
@@ -172,4 +170,4 @@ def test_collection_happens_once():
     resolve_eviction("lfu", 4)
     assert manager.plugin_manager.cache_info().misses == 1
     assert manager.collect.cache_info().misses == 2  # one per kind asked for, then cached
-    manager.reset()  # the example package may be uninstalled next: do not keep it cached
+    manager.reset()  # later tests collect the real entry points again
