@@ -4,7 +4,7 @@ same checkpoint, measured by one client -- vLLM's own `vllm bench serve` -- for 
     python -m bench.serve_peer --vllm-python /path/to/vllm-venv/bin/python \
         [--model DIR] [--rates 2,8[,inf]] [--num-prompts 40] [--input-len 256] [--output-len 64] [--range-ratio 0] \
         [--modes vllm,tandem-pd,tandem-colocated[,tandem-pd-cond]] [--omp-variants unset[,exported]] [--out FILE]
-        [--capacity-fractions 0.25,0.5,0.75]
+        [--capacity-fractions 0.25,0.5,0.75] [--tandem-args "--max-num-seqs 128"]
 
 Each mode starts its server as a child process group on 127.0.0.1 (free ports), waits for /health,
 sends a short warm-up burst, then for each rate runs `vllm bench serve --dataset-name random
@@ -109,7 +109,7 @@ def server_cmd(a, mode: str, port: int, served: str) -> list[str]:
                                        "--http-port", str(port), "--grpc-port", "0",
                                        "--dtype", "float32", "--served-model-name", served]
     extra = {"tandem-colocated": ["--colocated"], "tandem-pd": ["--local-prefill-if-busy", "0"]}
-    return cmd + extra.get(mode, [])
+    return cmd + extra.get(mode, []) + shlex.split(a.tandem_args)
 
 
 def machine_info() -> dict:
@@ -175,6 +175,8 @@ def main() -> None:
     p.add_argument("--capacity-fractions", default="",
                    help="instead of --rates: inf, then these fractions of vLLM's measured capacity (req/s); "
                         "needs vllm as the first mode")
+    p.add_argument("--tandem-args", default="",
+                   help="more `tandem up` arguments for every tandem mode, e.g. \"--max-num-seqs 128\"")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--out", help="JSON results (default: in the run directory)")
     a = p.parse_args()

@@ -22,7 +22,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto | fp8_e4m3 | int8 (resolved by the quantizer plugins)
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 8192
     max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    # 128 as `vllm serve` on a CPU: with 64, a burst of 80 left 16 prompts waiting for a seat, TTFT p99 1.42-1.47x
+    # vLLM's; with 128 0.83-0.85x (docs/PERFORMANCE.md, session 28).
+    max_num_seqs: int = 128
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     eviction: str = "lru"

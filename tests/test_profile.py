@@ -123,3 +123,25 @@ def test_engine_setting_mismatch_is_named():
     prof = Profile.from_dict(_valid())
     with pytest.raises(ValueError, match="block_size=16, not 32"):
         prof.check_matches(block_size=32)
+
+
+def test_the_decode_grid_fits_the_kv_cache_at_its_largest_batch():
+    """With 128 seats (the default) a model's whole max_model_len x batch does not fit every KV pool: the grid's
+    longest context is cut to what the largest batch can hold, and every (batch, context) point is measured.
+    Without the cut this pool (256 blocks = 4096 tokens, 16 seats, contexts up to ~419) cannot hold the batch."""
+    import random
+
+    from tandem.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+    from tandem.planner.measure import decode_times, make_plan
+
+    engine = LLMEngine(EngineConfig(model=default_model_path(), num_kv_blocks=256, max_model_len=512,
+                                    max_num_batched_tokens=256, max_num_seqs=16))
+    plan = make_plan(512, 256, 16, False, engine.num_kv_blocks, 16)
+    assert make_plan(512, 256, 16, False).contexts[-1] * 16 > 4096  # the uncut grid would not fit
+    assert plan.contexts[-1] < 256 and plan.batches[-1] == 16
+    rng = random.Random(0)
+    for context in (plan.contexts[0], plan.contexts[-1]):
+        points = decode_times(engine, context, plan, lambda n: [rng.randrange(5, 500) for _ in range(n)])
+        assert [b for b, _ in points] == plan.batches and all(secs > 0 for _, secs in points)
+    assert not engine.has_unfinished_requests()

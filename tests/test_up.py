@@ -228,7 +228,7 @@ def test_up_sizes_the_routers_admission_limit_from_the_decode_workers():
         router, _ = build_commands(build_parser().parse_args(["up", *argv]), "/m")
         return int(router[router.index("--max-inflight") + 1])
 
-    assert inflight() == 2 * 64  # one decode worker of the default max_num_seqs
+    assert inflight() == 2 * 128  # one decode worker of the default max_num_seqs
     assert inflight("--decode", "3", "--max-num-seqs", "32") == 2 * 3 * 32
     assert inflight("--max-inflight", "10") == 10
 

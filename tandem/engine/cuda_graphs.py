@@ -31,7 +31,7 @@ from tandem.engine.decode_group import MAX_DECODE_QUERY_LEN
 from tandem.layers.attention import AttentionMetadata
 
 log = structlog.get_logger(__name__)
-SIZES = (1, 2, 4, 8, 16, 32, 64)
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # up to the default max_num_seqs (vLLM captures up to 512)
 MAX_ROWS = 256  # size x Q of the largest graph: past it a step is long enough to launch eagerly
 
 

@@ -45,7 +45,8 @@ class Plan:
             len(self.transfer_tokens)
 
 
-def make_plan(max_len: int, budget: int, seats: int, quick: bool) -> Plan:
+def make_plan(max_len: int, budget: int, seats: int, quick: bool, kv_blocks: int | None = None,
+              block_size: int = 16) -> Plan:
     top = min(budget, max_len - 1)
     if quick:
         return Plan([16, 64], [(96, 32)], [b for b in (1, 4) if b <= seats] or [1], [16, 64], [16, 64], 2, 3)
@@ -58,6 +59,8 @@ def make_plan(max_len: int, budget: int, seats: int, quick: bool) -> Plan:
     # prefilled and then timed, or requests would hit max_model_len mid-measurement.
     drift = -(-max(batches) * max_len // budget) + (steps + 1) * len(batches) + 16
     top_ctx = max(16, max_len - drift)
+    if kv_blocks is not None:  # the largest batch must fit the KV cache at the longest context (+ its drift)
+        top_ctx = max(16, min(top_ctx, kv_blocks // max(batches) * block_size - drift))
     contexts = sorted({c for c in (16, 128, 512, 2048) if c < top_ctx} | {top_ctx})
     return Plan(lengths, chunked, batches, contexts, [16, 128, 512, max_len - 1], 3, steps, passes=2)
 
@@ -68,7 +71,7 @@ def measure(config: EngineConfig, threads: int, connector: str, quick: bool,
     engine = LLMEngine(config)
     sched = engine.scheduler
     budget, seats = sched.max_num_batched_tokens, sched.max_num_seqs
-    plan = make_plan(engine.max_model_len, budget, seats, quick)
+    plan = make_plan(engine.max_model_len, budget, seats, quick, engine.num_kv_blocks, config.block_size)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     done = 0
