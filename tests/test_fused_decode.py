@@ -87,6 +87,36 @@ def test_fused_layer_is_bitwise_the_module_path(monkeypatch, arch, extra, bf16_e
     assert not torch.equal(fused, x)
 
 
+@pytest.mark.parametrize("bf16_exact", [False, True])
+@pytest.mark.parametrize("b,q", [(1, 1), (2, 4), (8, 1)])
+@pytest.mark.parametrize("n_layers", [1, 2, 3])
+def test_fused_layers_in_one_call_are_bitwise_the_module_path(monkeypatch, bf16_exact, b, q, n_layers):
+    """run_layers: every layer in one C call, outputs alternating between two buffers (an odd and an even count
+    both end in the returned one), each layer's K/V in its own cache; a layer that does not qualify refuses all."""
+    layers = [_layer("MistralForCausalLM", bf16_exact, False, seed=7 * i + b, sliding_window=6)
+              for i in range(n_layers)]
+    x, rope, meta, cache = _step(layers[0], b, q, seed=b * q)
+    caches = [cache] + [torch.randn_like(cache) for _ in range(n_layers - 1)]
+    for i, layer in enumerate(layers):
+        layer.self_attn.layer_idx = i
+    module_caches = [c.clone() for c in caches]
+    x_before = x.clone()
+    with torch.inference_mode():
+        meta.kv_caches = caches
+        fused = fused_decode.run_layers(layers, x, rope, meta)
+        meta.kv_caches = module_caches
+        module = x
+        for layer in layers:
+            module = _module_path(layer, module, rope, meta, monkeypatch)
+        assert fused is not None and torch.equal(x, x_before)
+        assert torch.equal(fused, module)
+        assert all(torch.equal(a, m) for a, m in zip(caches, module_caches))
+        if n_layers > 1:  # a Qwen3 layer (q/k norms) among them: none fused
+            qwen3 = _layer("Qwen3ForCausalLM", bf16_exact, False, seed=3, head_dim=16)
+            qwen3.self_attn.layer_idx = n_layers - 1
+            assert fused_decode.run_layers([*layers[:-1], qwen3], x, rope, meta) is None
+
+
 def test_the_fused_layer_follows_a_written_weight(monkeypatch):
     layer = _layer("LlamaForCausalLM", False, False, seed=1)
     x, rope, meta, cache = _step(layer, 1, 1, seed=1)
@@ -128,10 +158,10 @@ def test_engine_decode_steps_take_the_fused_layer_and_stay_exact(tmp_path, monke
 
     path = make_checkpoint(str(tmp_path / "m"), seed=5)
     taken = []
-    real = fused_decode.run
-    monkeypatch.setattr(fused_decode, "run", lambda *a: taken.append(r := real(*a)) or r)
+    real = fused_decode.run_layers
+    monkeypatch.setattr(fused_decode, "run_layers", lambda *a: taken.append((len(a[0]), r := real(*a))) or r)
     prompts = [[5, 9, 33, 7, 81, 2, 44], [17, 3, 3, 90, 12]]
     llm = LLM(path, max_model_len=128)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 12)
-    assert sum(r is not None for r in taken) >= 2 * 11  # every decode step of both layers, at least
+    assert sum(n == 2 and r is not None for n, r in taken) >= 11  # every decode step, both layers in one call

@@ -75,3 +75,26 @@ int tandem_decode_layer_f32(const tandem_layer_t *L, const float *x_in, float *x
     for (int64_t i = 0; i < T * hidden; i++) x_out[i] += o[i];
     return 0;
 }
+
+/* A decode step's decoder layers in one call: layer i of n_layers applies layers[i] with caches[i] and
+ * scratch[i]; the layers' outputs alternate between x_tmp and x_out so the last one lands in x_out (x_in is
+ * not modified; x_tmp may be NULL for one layer). Why: between per-layer calls from Python, the ctypes
+ * marshalling and the checks ran once a layer with caches the weight streams had just evicted (~65 us a
+ * layer inside a step against ~15 us alone; docs/PERFORMANCE.md, session 28). Returns 0, or the first
+ * layer's refusal (tandem_decode_layer_f32's codes): the caller then runs the module path from the first
+ * layer, which stores the K/V rows already stored again, identically. */
+int tandem_decode_layers_f32(const tandem_layer_t *layers, int32_t n_layers, float *const *caches,
+                             float *const *scratch, const float *x_in, float *x_out, float *x_tmp, int64_t T,
+                             const float *cos, const float *sin, int64_t num_slots, int32_t BS, const int64_t *slots,
+                             const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, int32_t B,
+                             int32_t Q, int num_threads) {
+    const float *cur = x_in;
+    for (int32_t i = 0; i < n_layers; i++) {
+        float *dst = (n_layers - 1 - i) % 2 == 0 ? x_out : x_tmp;
+        const int rc = tandem_decode_layer_f32(&layers[i], cur, dst, T, cos, sin, caches[i], num_slots, BS, slots,
+                                               tables, table_stride, seq_lens, B, Q, scratch[i], num_threads);
+        if (rc) return rc;
+        cur = dst;
+    }
+    return 0;
+}

@@ -11,6 +11,11 @@ It applies to steps of up to MAX_ROWS tokens (SMALL_BATCH where a linear reads f
 oneDNN wins, and the module path takes it) that are all decode rows, on the native CPU ops, with an
 fp32 cache without scales, no q/k norms, no per-layer hook (a prefill worker's layer-by-layer send),
 in inference; anywhere else `run` returns None and the module path runs.
+
+`run_layers` runs a step's layers in one C call (LlamaModel takes it first): inside a step, the Python
+between per-layer calls cost ~65 us a layer, not the ~15 us it costs alone, because each layer's weight
+stream evicts the code and data it uses; one call for the model made batch-1 decode of the shipped model
+1.17-1.20x faster (the 55M Llama, bound by its weights: 1.03x; docs/PERFORMANCE.md, session 28).
 """
 
 from __future__ import annotations
@@ -101,30 +106,57 @@ def _make_layer_plan(layer) -> tuple | None:
 
 def run(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor | None:
     """The layer's output for x, or None where the fused call does not apply (see the module docstring)."""
-    attn, t = layer.self_attn, x.shape[0]
-    if (not 0 < t <= MAX_ROWS or meta.num_decode_tokens != t or meta.layer_hook is not None
-            or meta.kv_scales is not None or meta.ops.name != "native" or attn.q_norm is not None
-            or not fused.ALLOWED or native_cpu.library() is None):
+    return run_layers([layer], x, rope, meta)
+
+
+def run_layers(layers, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor | None:
+    """The output of `layers` applied in turn to x, in one C call; None where the fused call does not apply to
+    every one of them (the caller then runs the module path from the first layer)."""
+    t, lib = x.shape[0], native_cpu.library()
+    if (not layers or not 0 < t <= MAX_ROWS or meta.num_decode_tokens != t or meta.layer_hook is not None
+            or meta.kv_scales is not None or meta.ops.name != "native" or not fused.ALLOWED or lib is None):
         return None
-    cache, (cos, sin) = meta.kv_caches[attn.layer_idx], rope
-    if (x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or cache.dtype != torch.float32
-            or not cache.is_contiguous() or not cache.is_cpu or cos.shape != (t, 1, attn.head_dim)
+    first = layers[0].self_attn
+    cos, sin = rope
+    slots, cache0 = meta.slot_mapping, meta.kv_caches[first.layer_idx]
+    if (x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or cos.shape != (t, 1, first.head_dim)
             or not cos.is_contiguous() or not sin.is_contiguous() or cos.dtype != torch.float32
-            or (torch.is_grad_enabled() and attn.qkv_proj.weight.requires_grad)):
+            or slots.dtype != torch.int64 or not slots.is_contiguous()
+            or (torch.is_grad_enabled() and first.qkv_proj.weight.requires_grad)):
         return None
-    planned = _layer_plan(layer)
-    slots = meta.slot_mapping
-    if planned is None or slots.dtype != torch.int64 or not slots.is_contiguous():
-        return None
-    struct, scratch, max_rows, _ = planned
-    if t > max_rows:
-        return None
-    num_blocks, block_size = cache.shape[0], cache.shape[2]
-    tables, lens = native_cpu._checked(meta.decode_block_tables, meta.decode_seq_lens, meta.decode_query_len,
-                                       num_blocks, block_size, attn.window)
+    planned = []
+    for layer in layers:
+        attn = layer.self_attn
+        cache = meta.kv_caches[attn.layer_idx]
+        plan = _layer_plan(layer) if attn.q_norm is None and attn.head_dim == first.head_dim else None
+        if (plan is None or t > plan[2] or cache.dtype != torch.float32 or not cache.is_contiguous()
+                or not cache.is_cpu or cache.shape != cache0.shape):
+            return None
+        planned.append((plan, cache))
+    num_blocks, block_size = cache0.shape[0], cache0.shape[2]
+    for window in {layer.self_attn.window for layer in layers}:  # blocks every layer reads are in the cache
+        tables, lens = native_cpu._checked(meta.decode_block_tables, meta.decode_seq_lens, meta.decode_query_len,
+                                           num_blocks, block_size, window)
+    structs, caches, scratch = _arrays(layers[0], planned)
     out = torch.empty_like(x)
-    rc = native_cpu.library().tandem_decode_layer_f32(
-        ctypes.byref(struct), x.data_ptr(), out.data_ptr(), t, cos.data_ptr(), sin.data_ptr(), cache.data_ptr(),
-        num_blocks * block_size, block_size, slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-        meta.num_decode_seqs, meta.decode_query_len, scratch.data_ptr(), torch.get_num_threads())
+    tmp = torch.empty_like(x) if len(layers) > 1 else None
+    rc = lib.tandem_decode_layers_f32(
+        structs, len(layers), caches, scratch, x.data_ptr(), out.data_ptr(), None if tmp is None else tmp.data_ptr(),
+        t, cos.data_ptr(), sin.data_ptr(), num_blocks * block_size, block_size, slots.data_ptr(), tables.data_ptr(),
+        tables.stride(0), lens.data_ptr(), meta.num_decode_seqs, meta.decode_query_len, torch.get_num_threads())
     return out if rc == 0 else None  # a refusal (a slot outside the cache, say): the module path decides
+
+
+def _arrays(owner, planned: list[tuple[tuple, torch.Tensor]]) -> tuple:
+    """The C arrays of the layers' structs, cache and scratch addresses, kept on `owner` while the plans and
+    caches they were made from stay the same objects (a plan is remade when its weights change)."""
+    key = tuple(id(p) for pair in planned for p in pair)
+    cached = owner.__dict__.get("_fused_arrays")
+    if cached is not None and cached[0] == key:
+        return cached[2]
+    n = len(planned)
+    arrays = ((_LayerPlan * n)(*(plan[0] for plan, _ in planned)),
+              (ctypes.c_void_p * n)(*(cache.data_ptr() for _, cache in planned)),
+              (ctypes.c_void_p * n)(*(plan[1].data_ptr() for plan, _ in planned)))
+    owner._fused_arrays = (key, planned, arrays)  # `planned` keeps the ids in the key theirs
+    return arrays
