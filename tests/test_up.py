@@ -233,6 +233,25 @@ def test_up_sizes_the_routers_admission_limit_from_the_decode_workers():
     assert inflight("--max-inflight", "10") == 10
 
 
+def test_engine_flags_show_their_defaults_in_help():
+    text = " ".join(_help_of("up").split())
+    assert "most requests in one continuous batch (default: 128)" in text
+    assert "--block-size BLOCK_SIZE (default: 16)" in text
+    assert "memory for the KV cache in GiB (default: 1.0)" in text
+
+
+def _help_of(command: str) -> str:
+    import contextlib
+    import io
+
+    from tandem.cli import build_parser
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    return out.getvalue()
+
+
 def test_up_passes_the_parsers_to_the_router_and_refuses_unknown_ones(capsys):
     from tandem.cli import build_parser
     from tandem.cli.up import build_commands

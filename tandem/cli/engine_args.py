@@ -44,7 +44,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                help=_HELP.get(f.name))
             continue
         kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-        group.add_argument(flag, dest=dest, type=kind, default=f.default, help=_HELP.get(f.name))
+        text = _HELP.get(f.name, "")
+        if f.default is not None and "default:" not in text:  # as vLLM's --help shows them (bools: argparse does)
+            text = f"{text} (default: %(default)s)".strip()
+        group.add_argument(flag, dest=dest, type=kind, default=f.default, help=text or None)
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str, role: str = "both") -> EngineConfig:
