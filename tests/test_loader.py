@@ -58,3 +58,44 @@ def test_chat_applies_the_template(tmp_path):
                                                                   params)[0].token_ids
     with pytest.raises(ValueError, match="messages"):
         llm.chat([{"role": "user"}], params)
+
+
+
+def _mapping_of(addr: int) -> dict:
+    """The /proc/self/smaps entry holding `addr`: its path ('' for anonymous memory) and its fields."""
+    mappings: list[dict] = []
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head[0].endswith(":"):  # a field of the mapping above ("Rss:", "THPeligible:", ...)
+                mappings[-1][head[0][:-1]] = head[1]
+            else:  # a mapping's first line: range, perms, offset, dev, inode, path
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                mappings.append({"lo": lo, "hi": hi, "path": " ".join(head[5:])})
+    hits = [m for m in mappings if m["lo"] <= addr < m["hi"]]
+    assert len(hits) == 1, f"address {addr:#x} is in {len(hits)} mappings"
+    return hits[0]
+
+
+def test_cpu_weights_leave_the_checkpoint_file_for_huge_pages(tmp_path):
+    """Every weight of a CPU model is copied out of the safetensors file's mapping into one anonymous
+    block advised to huge pages (tandem/models/weight_arena.py), with the file's values."""
+    from safetensors.torch import load_file
+
+    from tandem.models.loader import load_model
+
+    ckpt = make_checkpoint(str(tmp_path / "llama"), "llama")
+    model = load_model(ckpt, torch.float32, torch.device("cpu"), 256)
+    on_disk = load_file(os.path.join(ckpt, "model.safetensors"))
+    params = dict(model.named_parameters())
+    assert torch.equal(params["lm_head.weight"], on_disk["lm_head.weight"])
+    assert torch.equal(params["model.layers.0.self_attn.o_proj.weight"],
+                       on_disk["model.layers.0.self_attn.o_proj.weight"])
+    blocks = {m["lo"]: m for m in (_mapping_of(p.data_ptr()) for p in params.values())}
+    assert len(blocks) == 1, "the weights are not in one block"
+    block = next(iter(blocks.values()))
+    assert block["path"] == "", f"weights still mapped from {block['path']}"
+    assert min(p.data_ptr() for p in params.values()) % (2 << 20) == 0  # the block starts on a huge page
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        thp_off = "[never]" in f.read()
+    assert block["THPeligible"] == ("0" if thp_off else "1")

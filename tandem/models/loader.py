@@ -13,6 +13,7 @@ import re
 import torch
 from safetensors import SafetensorError, safe_open
 
+from tandem.models import weight_arena
 from tandem.models.config import ModelConfig
 from tandem.models.llama import LlamaForCausalLM
 
@@ -72,6 +73,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_position
         if tensor.shape != params[name].shape:
             raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
         state[name] = tensor.to(device=device, dtype=dtype)
+    if torch.device(device).type == "cpu":  # out of the checkpoint file's 4 KiB pages into huge pages (weight_arena.py)
+        state = weight_arena.pack(state)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
