@@ -52,7 +52,11 @@ static inline float load1w(float v) { return v; }
  * threads, weights evicted; docs/PERFORMANCE.md "Session 14"). One input row keeps U = 4 accumulators along K
  * (enough independent FMAs in flight; their sum is the only change of order). Only AVX2 builds use it: for
  * one row, and for 7-8 rows with U = 1 (in pairs their 14-16 accumulators would spill AVX2's 16 vector
- * registers); every other case runs in pairs of weight rows (below). */
+ * registers); every other case runs in pairs of weight rows (below). One row of fp32 weights issues no
+ * prefetches: there the hardware's own streamed faster (the 55M Llama's 57 one-row products, 2 threads,
+ * five variants interleaved in one process, session 29: no prefetch 18.4-19.3 GB/s in 4 KiB pages and
+ * 19.0-21.4 in 2 MiB pages, 2-16 KiB ahead 15.0-18.4), where bf16 weights and 2-8 rows still gain from them
+ * (1.2-1.7x). */
 /* Past one input row a vector's lanes are summed as a tree of halves (lanes i and i + L/2 first), not one
  * after another: the serial lane-order sum of the 2M accumulators cost ~14% of a 5-row product at K = 256 (the
  * shipped model's four layer linears, 2 threads: 5 rows 90.9 -> 78.2 us, 8 rows 119.1 -> 100.0); one row keeps
@@ -91,8 +95,9 @@ static inline float hsum8(f32x8 v) {
                 for (int u = 0; u < U; u++) acc[m][u] = (f32x8){0};                                          \
             int64_t k = 0;                                                                                    \
             for (; k + step <= K; k += step) {                                                                \
-                for (int64_t b = 0; b < step * (int64_t)sizeof(T); b += 64)                                   \
-                    __builtin_prefetch((const char *)(row + k + ahead) + b, 0, PREFETCH_LOCALITY);            \
+                if (sizeof(T) != sizeof(float) || M > 1) /* one fp32 row streams faster without: above */     \
+                    for (int64_t b = 0; b < step * (int64_t)sizeof(T); b += 64)                               \
+                        __builtin_prefetch((const char *)(row + k + ahead) + b, 0, PREFETCH_LOCALITY);        \
                 for (int u = 0; u < U; u++) {                                                                 \
                     const f32x8 wv = WIDEN8(row + k + 8 * u);                                                 \
                     for (int m = 0; m < M; m++) acc[m][u] += wv * load8f(x + m * K + k + 8 * u);             \
