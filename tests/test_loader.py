@@ -91,6 +91,9 @@ def test_cpu_weights_leave_the_checkpoint_file_for_huge_pages(tmp_path):
     assert torch.equal(params["lm_head.weight"], on_disk["lm_head.weight"])
     assert torch.equal(params["model.layers.0.self_attn.o_proj.weight"],
                        on_disk["model.layers.0.self_attn.o_proj.weight"])
+    attn = "model.layers.1.self_attn"  # a fused weight: its parts' rows, in order, copied into place
+    parts = [on_disk[f"{attn}.{p}_proj.weight"] for p in "qkv"]
+    assert torch.equal(params[f"{attn}.qkv_proj.weight"], torch.cat(parts))
     blocks = {m["lo"]: m for m in (_mapping_of(p.data_ptr()) for p in params.values())}
     assert len(blocks) == 1, "the weights are not in one block"
     block = next(iter(blocks.values()))

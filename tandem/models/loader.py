@@ -40,6 +40,12 @@ def safetensors_files(path: str) -> list[str]:
 
 def read_weights(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint directory under tandem's names (q/k/v and gate/up fused)."""
+    return {name: parts[0] if len(parts) == 1 else torch.cat(parts) for name, parts in read_parts(path, cfg).items()}
+
+
+def read_parts(path: str, cfg: ModelConfig) -> dict[str, list[torch.Tensor]]:
+    """Every tensor of a checkpoint directory under tandem's names, a fused one as its parts in order (q, k, v;
+    gate, up: rows of the fused weight), each part still in the checkpoint file's mapping."""
     loaded: dict[str, torch.Tensor] = {}
     pending: dict[str, dict[int, torch.Tensor]] = {}
     for file in safetensors_files(path):
@@ -49,12 +55,13 @@ def read_weights(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
                     _collect(name, f.get_tensor(name), cfg, loaded, pending)
         except (SafetensorError, OSError) as exc:
             raise ValueError(f"cannot read {file}: {exc}") from exc
-    for name, parts in pending.items():
+    parts = {name: [tensor] for name, tensor in loaded.items()}
+    for name, by_index in pending.items():
         want = 3 if ".qkv_proj." in name else 2
-        if len(parts) != want:
+        if len(by_index) != want:
             raise ValueError(f"checkpoint has only part of the fused weight {name}")
-        loaded[name] = torch.cat([parts[i] for i in range(want)])
-    return loaded
+        parts[name] = [by_index[i] for i in range(want)]
+    return parts
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaForCausalLM:
@@ -62,19 +69,29 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_position
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
     params = dict(model.named_parameters())
-    loaded = read_weights(path, cfg)
+    loaded = read_parts(path, cfg)
     missing = sorted(set(params) - set(loaded) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
     unexpected = sorted(set(loaded) - set(params))
     if missing or unexpected:
         raise ValueError(f"checkpoint {path!r} does not match {cfg.architecture}: "
                          f"missing {missing[:8]}, unexpected {unexpected[:8]}")
-    state = {}
-    for name, tensor in loaded.items():
-        if tensor.shape != params[name].shape:
-            raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
-        state[name] = tensor.to(device=device, dtype=dtype)
-    if torch.device(device).type == "cpu":  # out of the checkpoint file's 4 KiB pages into huge pages (weight_arena.py)
-        state = weight_arena.pack(state)
+    for name, parts in loaded.items():
+        shape = parts[0].shape if len(parts) == 1 else (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        if any(p.shape[1:] != parts[0].shape[1:] for p in parts) or tuple(shape) != tuple(params[name].shape):
+            got = " + ".join(str(tuple(p.shape)) for p in parts)
+            raise ValueError(f"weight {name} has shape {got}, expected {tuple(params[name].shape)}")
+    if torch.device(device).type == "cpu":
+        # Straight from the checkpoint file's 4 KiB pages into one huge-page block (weight_arena.py), widened
+        # or narrowed to `dtype` and fused parts placed as they are copied: no other copy is made.
+        state = weight_arena.allocate({name: (tuple(params[name].shape), dtype) for name in loaded})
+        for name, parts in loaded.items():
+            row = 0
+            for part in parts:  # a fused weight's parts are its rows in order
+                (state[name] if len(parts) == 1 else state[name][row:row + part.shape[0]]).copy_(part)
+                row += part.shape[0] if len(parts) > 1 else 0
+    else:
+        state = {name: (parts[0] if len(parts) == 1 else torch.cat(parts)).to(device=device, dtype=dtype)
+                 for name, parts in loaded.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -5,15 +5,19 @@ Straight from safetensors, the weights live in a private mapping of the checkpoi
 pages, one TLB miss per 4 KiB of stream — inside a VM a two-level page walk each. Copied here (one
 anonymous mapping, 2 MiB-aligned, `madvise(MADV_HUGEPAGE)` before the first touch) a 2 MiB page covers
 512 of them. Measured on the 55M Llama, one row, 2 threads (docs/PERFORMANCE.md, session 29): its 57
-products 11.2-15.4 -> 9.4-10.2 ms in a C harness; the batch-1 engine step 13.1 -> 12.2 ms (median of six
-pairs). The kernel only advises: where THP is "never" the copy is plain anonymous memory, which reads as
-fast as the file mapping did.
+products 1.09-1.14x faster (both layouts interleaved in one C harness, medians of 60); the batch-1 engine
+step 13.1 -> 12.2 ms (weights swapped in place, median of six pairs). The kernel only advises: where THP
+is "never" the copy is plain anonymous memory, which reads as fast as the file mapping did.
+
+The cost: weights are now each process's own memory, not page cache that two workers on one box loading
+one checkpoint shared (only the fused q/k/v and gate/up were private before) — as in vLLM, which copies too.
 
 The tensors returned are views of the block; the block lives as long as any of them does.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -35,17 +39,15 @@ def hugepage_empty(nbytes: int) -> torch.Tensor:
     return raw[start:start + nbytes]
 
 
-def pack(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The same tensors (values, shapes, dtypes) copied into one huge-page block; CPU tensors only."""
-    sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
-    total = sum(-(-n // ALIGN) * ALIGN for n in sizes.values())
-    if total == 0:
-        return dict(tensors)
-    block, offset, packed = hugepage_empty(total), 0, {}
-    for name, t in tensors.items():
-        n = sizes[name]
-        view = block[offset:offset + n].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        packed[name] = view
-        offset += -(-n // ALIGN) * ALIGN
-    return packed
+def allocate(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    """Uninitialised tensors of the given shapes and dtypes, side by side in one huge-page block (each
+    starting on its own 4 KiB page). The loader fills them straight from the checkpoint, so the only
+    anonymous copy of a weight is the one served (a bf16 checkpoint served in fp32 widens into place)."""
+    sizes = {name: math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+             for name, (shape, dtype) in specs.items()}
+    block = hugepage_empty(max(1, sum(-(-n // ALIGN) * ALIGN for n in sizes.values())))
+    offset, views = 0, {}
+    for name, (shape, dtype) in specs.items():
+        views[name] = block[offset:offset + sizes[name]].view(dtype).view(shape)
+        offset += -(-sizes[name] // ALIGN) * ALIGN
+    return views
