@@ -94,11 +94,33 @@ def test_cpu_weights_leave_the_checkpoint_file_for_huge_pages(tmp_path):
     attn = "model.layers.1.self_attn"  # a fused weight: its parts' rows, in order, copied into place
     parts = [on_disk[f"{attn}.{p}_proj.weight"] for p in "qkv"]
     assert torch.equal(params[f"{attn}.qkv_proj.weight"], torch.cat(parts))
-    blocks = {m["lo"]: m for m in (_mapping_of(p.data_ptr()) for p in params.values())}
-    assert len(blocks) == 1, "the weights are not in one block"
+    block = _one_huge_page_block(params.values())
+    assert min(p.data_ptr() for p in params.values()) == block["lo"] + -block["lo"] % (2 << 20)  # on a huge page
+
+
+def _one_huge_page_block(tensors) -> dict:
+    """The one anonymous mapping that holds every tensor given, checked THP-eligible exactly when the kernel
+    lets a madvise'd mapping have huge pages."""
+    blocks = {m["lo"]: m for m in (_mapping_of(t.data_ptr()) for t in tensors)}
+    assert len(blocks) == 1, f"the tensors are in {len(blocks)} mappings"
     block = next(iter(blocks.values()))
-    assert block["path"] == "", f"weights still mapped from {block['path']}"
-    assert min(p.data_ptr() for p in params.values()) % (2 << 20) == 0  # the block starts on a huge page
+    assert block["path"] == "", f"tensors mapped from {block['path']}"
     with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
         thp_off = "[never]" in f.read()
     assert block["THPeligible"] == ("0" if thp_off else "1")
+    return block
+
+
+def test_bf16_copies_of_fp32_served_weights_are_in_huge_pages():
+    """A bf16 checkpoint served in fp32 (the shipped model): the bf16 copies a decode step streams
+    (tandem/layers/linear.py) are in huge pages too, and hold the weights' values."""
+    from tandem.default_model import default_model_path
+    from tandem.layers.linear import Linear
+    from tandem.models.loader import load_model
+
+    model = load_model(default_model_path(), torch.float32, torch.device("cpu"), 256)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    copies = [lin.small_batch_plan()[4] for lin in linears]
+    assert all(c is not None and c.dtype == torch.bfloat16 for c in copies)
+    assert all(torch.equal(c.float(), lin.weight) for c, lin in zip(copies, linears))
+    _one_huge_page_block(copies)  # the shipped model's copies (~10 MB) fit one shared 32 MiB block

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import fused, native_cpu
+from tandem.models import weight_arena
 
 _choice = os.environ.get("TANDEM_LINEAR", "").strip().lower()
 if _choice not in ("", "onednn", "torch"):
@@ -119,7 +120,9 @@ def _exact_bf16(w: torch.Tensor) -> torch.Tensor | None:
     if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
         return None
     narrow = w.detach().to(torch.bfloat16).contiguous()
-    return narrow if torch.equal(narrow.float(), w.detach()) else None
+    # in huge pages, as the loader keeps the fp32 weights (tandem/models/weight_arena.py): this copy is what
+    # a decode step of a few rows streams
+    return weight_arena.copy_into_huge_pages(narrow) if torch.equal(narrow.float(), w.detach()) else None
 
 
 def _weight_key(w: torch.Tensor) -> tuple:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import threading
 
 import torch
 
@@ -51,3 +52,28 @@ def allocate(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str,
         views[name] = block[offset:offset + sizes[name]].view(dtype).view(shape)
         offset += -(-sizes[name] // ALIGN) * ALIGN
     return views
+
+
+_SHARED_BLOCK = 32 << 20
+_shared: list = [None, 0]  # the block small copies are carved from now, and the next free offset in it
+_shared_lock = threading.Lock()
+
+
+def copy_into_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of CPU tensor `t` in huge pages: carved from a shared 32 MiB block (one past that size
+    gets its own), for the copies made after loading — the bf16 copy of a weight served in fp32 that a decode
+    step streams (tandem/layers/linear.py). A block is freed when the last tensor carved from it is (plus the
+    one blocks are being carved from now, at most 32 MiB)."""
+    nbytes = t.numel() * t.element_size()
+    size = -(-max(nbytes, 1) // ALIGN) * ALIGN
+    with _shared_lock:
+        if size > _SHARED_BLOCK:
+            block, offset = hugepage_empty(size), 0
+        else:
+            block, offset = _shared
+            if block is None or offset + size > block.numel():
+                block, offset = hugepage_empty(_SHARED_BLOCK), 0
+            _shared[:] = [block, offset + size]
+    out = block[offset:offset + nbytes].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
