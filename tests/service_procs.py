@@ -30,9 +30,12 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTH
 
 # A `sitecustomize` for one worker process: wraps LLMEngine.step so that step N sleeps (stall
 # "N:SECONDS") and/or every step with work sleeps (delay "SECONDS") — tandem itself has no test hook.
+# With a release file, the stalled step also waits until that file exists: a test then decides when
+# the stall ends instead of racing a fixed sleep against another process's start-up.
 _STEP_HOOK = """
 import os
 _stall, _delay = os.environ.get("TANDEM_TEST_STALL"), float(os.environ.get("TANDEM_TEST_STEP_DELAY") or 0)
+_release = os.environ.get("TANDEM_TEST_STALL_RELEASE")
 if _stall or _delay:
     import time
     from tandem.engine.llm_engine import LLMEngine
@@ -43,13 +46,16 @@ if _stall or _delay:
             _count[0] += 1
             if _count[0] == _n:
                 time.sleep(_seconds)
+                while _release and not os.path.exists(_release):
+                    time.sleep(0.05)
             time.sleep(_delay)
         return _step(self)
     LLMEngine.step = step
 """
 
 
-def step_hook_env(hook_dir: Path, stall: str | None = None, delay: float | None = None) -> dict[str, str]:
+def step_hook_env(hook_dir: Path, stall: str | None = None, delay: float | None = None,
+                  release: Path | None = None) -> dict[str, str]:
     """Environment for a worker whose engine steps are slowed (see _STEP_HOOK)."""
     hook_dir.mkdir(exist_ok=True)
     (hook_dir / "sitecustomize.py").write_text(_STEP_HOOK)
@@ -58,6 +64,8 @@ def step_hook_env(hook_dir: Path, stall: str | None = None, delay: float | None 
         env["TANDEM_TEST_STALL"] = stall
     if delay:
         env["TANDEM_TEST_STEP_DELAY"] = str(delay)
+    if release:
+        env["TANDEM_TEST_STALL_RELEASE"] = str(release)
     return env
 
 
@@ -181,12 +189,13 @@ def stream_completion_text(http: str, prompt: str, max_tokens: int, on_chunk=Non
 
 
 def start_colocated_decode(name: str, router: str, log_dir: Path, stall: str | None = None,
-                           delay: float | None = None) -> Proc:
+                           delay: float | None = None, release: Path | None = None) -> Proc:
     """A decode worker on the shipped model that prefills its own prompts and registers to `router`;
     its engine steps optionally slowed (see step_hook_env)."""
     from tandem.default_model import ASSETS_DIR, TARGET_NAME
 
-    env = step_hook_env(log_dir / f"hook-{name}", stall=stall, delay=delay) if stall or delay else None
+    env = (step_hook_env(log_dir / f"hook-{name}", stall=stall, delay=delay, release=release)
+           if stall or delay else None)
     return Proc(name, [sys.executable, "-m", "tandem.cli", "decode", "--model", str(ASSETS_DIR / TARGET_NAME),
                        "--kv-connector", "none", "--listen", "tcp://127.0.0.1:0", "--router", router,
                        "--worker-id", name, "--num-kv-blocks", "256"], log_dir, env)

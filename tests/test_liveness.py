@@ -89,12 +89,26 @@ def logs(tmp_path):
     return d
 
 
+def _wait_stalled(http: str, worker_id: str, timeout: float = 60.0) -> None:
+    """Until the router reports `worker_id`'s engine loop as late as a slow worker's (STALLED_S = 2 s)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _, health = get_json(f"{http}/health")
+        if any(w["worker_id"] == worker_id and w.get("loop_age_s", 0.0) > 2.5 for w in health.get("workers", [])):
+            return
+        time.sleep(HEALTH_POLL_S)
+    raise AssertionError(f"{worker_id} never stalled: {health}")
+
+
 def test_slow_step_keeps_registration_and_stream_and_sheds_new_requests(logs):
+    """The stall lasts at least 10 s and until the test releases it, after the second worker has
+    registered and served a request: no race between the stall and another process's start-up."""
     router = start_router("router", str(TARGET_DIR), logs)
+    release = logs / "release-slow"
     procs = [router]
     try:
         ep = router_endpoints(router)
-        procs.append(start_colocated_decode("slow", ep["listen"], logs, stall="4:10"))
+        procs.append(start_colocated_decode("slow", ep["listen"], logs, stall="4:10", release=release))
         wait_workers(ep["http"], decode=1)
         watch = HealthWatch(ep["http"])
         result: dict = {}
@@ -102,14 +116,17 @@ def test_slow_step_keeps_registration_and_stream_and_sheds_new_requests(logs):
         slow.start()
         procs.append(start_colocated_decode("ok", ep["listen"], logs))  # registers while "slow" is stalled
         wait_workers(ep["http"], decode=2)
+        _wait_stalled(ep["http"], "slow")
         pieces_b, error_b, seconds_b = stream_completion(ep["http"], "def main():\n", 16)
-        assert "a" not in result, "the stalled request finished before the stall could matter"
+        assert "a" not in result, "the stalled request finished before the stall was released"
+        release.touch()
         slow.join(60)
         watch.stop()
         pieces_a, error_a, seconds_a = result["a"]
         assert error_a is None and len(pieces_a) == 16, (error_a, pieces_a)
         assert seconds_a >= 10, "the step did not stall"
         assert error_b is None and len(pieces_b) == 16
+        assert seconds_b < seconds_a
         assert watch.min_live >= 1 and watch.max_loop_age > 2.0, (watch.min_live, watch.max_loop_age)
         assert metric_value(ep["http"], "tandem_router_workers_lost_total") == 0
         assert metric_value(ep["http"], "tandem_router_workers_hung_total") == 0
@@ -120,18 +137,18 @@ def test_slow_step_keeps_registration_and_stream_and_sheds_new_requests(logs):
 
 def test_step_that_never_returns_is_hung_after_the_timeout(logs):
     """The hung worker's stream moves to the other worker (migration) once the hung timeout passes;
-    it is kept out of routing, counted, and listed as hung."""
-    router = start_router("router", str(TARGET_DIR), logs, "--hung-timeout", "15")
+    it is kept out of routing, counted, and listed as hung. Both workers are up before the request:
+    round robin over the workers sorted by id sends the first request to "hung"."""
+    router = start_router("router", str(TARGET_DIR), logs, "--hung-timeout", "15", "--decode-policy", "round_robin")
     procs = [router]
     try:
         ep = router_endpoints(router)
         hung = start_colocated_decode("hung", ep["listen"], logs, stall="4:3600")
-        procs.append(hung)
-        wait_workers(ep["http"], decode=1)
+        procs += [hung, start_colocated_decode("ok", ep["listen"], logs)]
+        wait_workers(ep["http"], decode=2)
         result: dict = {}
         t = threading.Thread(target=lambda: result.update(a=stream_completion(ep["http"], "import os\n", 16)))
         t.start()
-        procs.append(start_colocated_decode("ok", ep["listen"], logs))  # registers well within the hung timeout
         t.join(90)
         pieces, error, seconds = result["a"]
         assert error is None and len(pieces) == 16, (error, pieces)
