@@ -16,6 +16,8 @@ from typing import Any, ClassVar, Union
 
 import torch
 
+from tandem.models import weight_arena
+
 # Cache dtypes a layout may name; the quantized ones carry a float32 scale per token and KV head.
 KV_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -151,15 +153,25 @@ def allocate_kv_caches(layout: CacheLayout, num_blocks: int, device: torch.devic
                        ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """The engine's KV memory in plain memory: one `[num_blocks, 2, block_size, kv_heads, head_dim]`
     tensor per layer and, for a quantized layout, one float32 `[num_blocks, 2, block_size, kv_heads]`
-    scale tensor per layer. A transport that wants it elsewhere (shm) has its own allocator."""
+    scale tensor per layer. A transport that wants it elsewhere (shm) has its own allocator.
+
+    On a CPU the tensors lie in one block of 2 MiB pages (tandem/models/weight_arena.py): decode attention
+    reads a sequence's blocks scattered over the whole cache, one TLB miss per 4 KiB page in plain memory
+    (measured: the attention kernel 5-20% faster over a huge-page cache, docs/PERFORMANCE.md session 30).
+    Zero-filled here, so every page is committed at start-up as torch.zeros commits it: a cache too big for
+    the machine fails now, not under load."""
     if num_blocks <= 0:
         raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
-    caches = [torch.zeros((num_blocks, *layout.block_shape), dtype=layout.torch_kv_dtype, device=device)
-              for _ in range(layout.num_layers)]
-    scales = None
+    specs = {f"kv{i}": ((num_blocks, *layout.block_shape), layout.torch_kv_dtype) for i in range(layout.num_layers)}
     if layout.is_quantized:
-        scales = [torch.zeros((num_blocks, *layout.scale_block_shape), dtype=torch.float32, device=device)
-                  for _ in range(layout.num_layers)]
+        specs.update({f"scale{i}": ((num_blocks, *layout.scale_block_shape), torch.float32)
+                      for i in range(layout.num_layers)})
+    if torch.device(device).type == "cpu":
+        tensors = {name: t.zero_() for name, t in weight_arena.allocate(specs).items()}
+    else:
+        tensors = {name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype) in specs.items()}
+    caches = [tensors[f"kv{i}"] for i in range(layout.num_layers)]
+    scales = [tensors[f"scale{i}"] for i in range(layout.num_layers)] if layout.is_quantized else None
     return caches, scales
 
 

@@ -124,3 +124,23 @@ def test_bf16_copies_of_fp32_served_weights_are_in_huge_pages():
     assert all(c is not None and c.dtype == torch.bfloat16 for c in copies)
     assert all(torch.equal(c.float(), lin.weight) for c, lin in zip(copies, linears))
     _one_huge_page_block(copies)  # the shipped model's copies (~10 MB) fit one shared 32 MiB block
+
+
+def test_cpu_kv_cache_is_in_huge_pages_zeroed_and_committed_at_start():
+    """An engine's CPU KV cache (every layer's tensor, and an int8 cache's scales) lies in one block advised to
+    huge pages (decode attention reads blocks scattered over all of it), reads as zeros, and every page of it
+    is resident already — as torch.zeros commits it: an oversized cache fails at start, not under load."""
+    from kvtransfer.base import CacheLayout, allocate_kv_caches
+    from tandem.default_model import default_model_path
+
+    llm = LLM(default_model_path(), num_kv_blocks=64)
+    caches = llm.engine.runner.kv_caches
+    assert len(caches) == llm.engine.kv_layout.num_layers and all(c.shape[0] == 64 for c in caches)
+    block = _one_huge_page_block(caches)
+    nbytes = sum(c.numel() * c.element_size() for c in caches)
+    assert int(block["Rss"]) * 1024 >= nbytes, (block["Rss"], nbytes)
+    assert all(int(c.count_nonzero()) == 0 for c in caches)
+    quantized = CacheLayout("m", "float32", "int8", block_size=16, num_layers=2, num_kv_heads=2, head_dim=32)
+    kv, scales = allocate_kv_caches(quantized, 8)
+    assert scales is not None and len(scales) == 2 and scales[0].dtype == torch.float32
+    _one_huge_page_block(kv + scales)
