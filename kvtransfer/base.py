@@ -166,10 +166,7 @@ def allocate_kv_caches(layout: CacheLayout, num_blocks: int, device: torch.devic
     if layout.is_quantized:
         specs.update({f"scale{i}": ((num_blocks, *layout.scale_block_shape), torch.float32)
                       for i in range(layout.num_layers)})
-    if torch.device(device).type == "cpu":
-        tensors = {name: t.zero_() for name, t in weight_arena.allocate(specs).items()}
-    else:
-        tensors = {name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype) in specs.items()}
+    tensors = weight_arena.zeros(specs, device)
     caches = [tensors[f"kv{i}"] for i in range(layout.num_layers)]
     scales = [tensors[f"scale{i}"] for i in range(layout.num_layers)] if layout.is_quantized else None
     return caches, scales

@@ -26,6 +26,7 @@ from tandem.engine.model_runner import position_seed
 from tandem.engine.request import Request
 from tandem.engine.sampler import draw, filter_logits
 from tandem.layers.attention import AttentionMetadata
+from tandem.models import weight_arena
 from tandem.models.config import ModelConfig
 from tandem.models.loader import load_model
 
@@ -141,7 +142,7 @@ def own_cache(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, block_
     per_seq = -(-(max_model_len + k) // block_size)
     num_blocks = (max_seqs + 1) * per_seq
     shape = (num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
-    caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+    caches = list(weight_arena.zeros({f"kv{i}": (shape, dtype) for i in range(cfg.num_layers)}, device).values())
     return caches, KVCacheManager(num_blocks, block_size, LRUEviction(num_blocks), enable_caching=False)
 
 

@@ -127,7 +127,7 @@ def test_bf16_copies_of_fp32_served_weights_are_in_huge_pages():
 
 
 def test_cpu_kv_cache_is_in_huge_pages_zeroed_and_committed_at_start():
-    """An engine's CPU KV cache (every layer's tensor, and an int8 cache's scales) lies in one block advised to
+    """An engine's CPU KV cache (every layer's tensor, an int8 cache's scales, a speculator's own cache) lies in one block advised to
     huge pages (decode attention reads blocks scattered over all of it), reads as zeros, and every page of it
     is resident already — as torch.zeros commits it: an oversized cache fails at start, not under load."""
     from kvtransfer.base import CacheLayout, allocate_kv_caches
@@ -140,6 +140,9 @@ def test_cpu_kv_cache_is_in_huge_pages_zeroed_and_committed_at_start():
     nbytes = sum(c.numel() * c.element_size() for c in caches)
     assert int(block["Rss"]) * 1024 >= nbytes, (block["Rss"], nbytes)
     assert all(int(c.count_nonzero()) == 0 for c in caches)
+    head = LLM(default_model_path(), num_kv_blocks=64, speculator="eagle").engine.speculator.runner.kv_caches
+    _one_huge_page_block(head)  # the EAGLE head's own paged cache (and a draft model's: plugins/draft_model.py)
+    assert all(int(c.count_nonzero()) == 0 for c in head)
     quantized = CacheLayout("m", "float32", "int8", block_size=16, num_layers=2, num_kv_heads=2, head_dim=32)
     kv, scales = allocate_kv_caches(quantized, 8)
     assert scales is not None and len(scales) == 2 and scales[0].dtype == torch.float32

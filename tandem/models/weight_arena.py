@@ -54,6 +54,16 @@ def allocate(specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str,
     return views
 
 
+def zeros(specs: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device | str = "cpu"
+          ) -> dict[str, torch.Tensor]:
+    """Zero-filled tensors of the given shapes and dtypes; on a CPU side by side in one huge-page block (the KV
+    caches: decode attention reads a sequence's blocks scattered over all of a cache) with every page written
+    now, so the memory is committed at start-up as torch.zeros commits it. Elsewhere plain torch.zeros."""
+    if torch.device(device).type != "cpu":
+        return {name: torch.zeros(shape, dtype=dtype, device=device) for name, (shape, dtype) in specs.items()}
+    return {name: t.zero_() for name, t in allocate(specs).items()}
+
+
 _SHARED_BLOCK = 32 << 20
 _shared: list = [None, 0]  # the block small copies are carved from now, and the next free offset in it
 _shared_lock = threading.Lock()
