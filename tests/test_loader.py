@@ -127,9 +127,10 @@ def test_bf16_copies_of_fp32_served_weights_are_in_huge_pages():
 
 
 def test_cpu_kv_cache_is_in_huge_pages_zeroed_and_committed_at_start():
-    """An engine's CPU KV cache (every layer's tensor, an int8 cache's scales, a speculator's own cache) lies in one block advised to
-    huge pages (decode attention reads blocks scattered over all of it), reads as zeros, and every page of it
-    is resident already — as torch.zeros commits it: an oversized cache fails at start, not under load."""
+    """An engine's CPU KV cache (every layer's tensor, an int8 cache's scales, a speculator's own cache) lies
+    in one block advised to huge pages (decode attention reads blocks scattered over all of it), reads as
+    zeros, and every page of it is resident already — as torch.zeros commits it: an oversized cache fails
+    at start, not under load."""
     from kvtransfer.base import CacheLayout, allocate_kv_caches
     from tandem.default_model import default_model_path
 
