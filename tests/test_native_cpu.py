@@ -59,6 +59,27 @@ def test_threads_split_sequences_or_heads(threads, b):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("h,hkv,d,bs", [(8, 2, 64, 16), (8, 4, 32, 12), (4, 4, 32, 5), (16, 2, 64, 32),
+                                        (32, 8, 128, 16)])
+@pytest.mark.parametrize("q_len,window", [(1, None), (5, None), (1, 37), (5, 150)])
+def test_one_sequence_read_in_place_is_bitwise_the_tile_copy(h, hkv, d, bs, q_len, window):
+    """One sequence over two threads reads small KV heads' rows where they lie (no tile copy), eight keys that
+    straddle two blocks included (a window makes them): the very bits of one thread, which copies, and the
+    reference's values. 8 x 128 heads copy on both."""
+    lens = [311 + q_len]
+    query, cache, tables, seq_lens = _case(h + d + bs + q_len, b=1, h=h, hkv=hkv, d=d, bs=bs, q_len=q_len, lens=lens)
+    before, got = torch.get_num_threads(), {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got[threads] = native_cpu.paged_decode_attention(query, cache, tables, seq_lens, d ** -0.5, window=window)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[1], got[2])
+    want = reference.paged_decode_attention(query, cache, tables, seq_lens, d ** -0.5, window=window)
+    torch.testing.assert_close(got[2], want, rtol=1e-5, atol=2e-6)
+
+
 def test_unused_table_entries_are_never_read():
     """Entries past a sequence's blocks, and behind its window, may be anything (the engine's padding,
     freed blocks): the kernel must not read them, and the bounds check must not refuse them."""

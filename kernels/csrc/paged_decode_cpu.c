@@ -203,11 +203,13 @@ static inline __attribute__((always_inline)) void copy_block(float *kbuf, float 
 /* One sequence's KV heads [g_lo, g_hi): the G query heads x Q tokens of each attend over the
  * sequence's keys, a tile of TILE at a time. The G rows of one query token see the same keys, so each
  * key and value row is loaded once for all of them. acc [(g_hi - g_lo) * Q * G * D], s [G * TILE],
- * blockbuf [2 * TILE * (g_hi - g_lo) * D]. */
+ * blockbuf [2 * TILE * (g_hi - g_lo) * D]. `direct`: the arithmetic reads K and V in the blocks themselves
+ * instead of a tile's copy (see tandem_paged_decode_f32 for when); the same operations in the same order
+ * either way, so the same bits. */
 static inline __attribute__((always_inline)) void attend(
         const float *query, const float *cache, const int32_t *table, int32_t seq_len, float *out, int Q, int H,
         int Hkv, const int D, int BS, float scale, int window, int g_lo, int g_hi, float *acc, float *s,
-        float *blockbuf) {
+        float *blockbuf, const int direct) {
     const int G = H / Hkv, chunks = D / 8, rows = (g_hi - g_lo) * Q * G;
     float m[MAX_ROWS], l[MAX_ROWS]; /* row (g - g_lo, qi, h) */
     memset(acc, 0, sizeof(float) * rows * D);
@@ -222,14 +224,17 @@ static inline __attribute__((always_inline)) void attend(
     float *kbuf = blockbuf, *vbuf = blockbuf + (int64_t)tile * ks;
     for (int j0 = lo / BS * BS; j0 < seq_len; j0 += tile) {
         const int n = seq_len - j0 < tile ? seq_len - j0 : tile; /* keys in this tile */
+        const float *blk[TILE]; /* direct: the tile's blocks */
+        for (int j = 0; direct && j < n; j += BS) blk[j / BS] = cache + (int64_t)table[(j0 + j) / BS] * 2 * kv_stride;
+#define KROW(t) (blk[(t) / BS] + (int64_t)((t) % BS) * key_stride + (int64_t)g * D) /* direct: key t's K row */
         /* One bulk copy per block into a buffer that stays in L1/L2: a memcpy keeps many cache misses in
          * flight, where the arithmetic below, reading memory directly, waits on each (measured: 1.9x
          * faster on blocks scattered as the engine allocates them). */
-        for (int j = 0; j < n; j += BS) {
+        for (int j = 0; !direct && j < n; j += BS) {
             const float *src = cache + (int64_t)table[(j0 + j) / BS] * 2 * kv_stride;
             copy_block(kbuf + j * ks, vbuf + j * ks, src, n - j < BS ? n - j : BS, kv_stride, key_stride, g_lo, nh, D, Hkv);
         }
-        for (int j = n; j0 + j < seq_len && j < 2 * tile; j += BS) { /* the next tile's lines on their way */
+        for (int j = n; !direct && j0 + j < seq_len && j < 2 * tile; j += BS) { /* the next tile's lines on their way */
             const char *next = (const char *)(cache + (int64_t)table[(j0 + j) / BS] * 2 * kv_stride + g_lo * D);
             for (int t = 0; t < (nh == Hkv ? 1 : 2 * BS); t++)
                 for (int64_t c = 0; c < (nh == Hkv ? (int64_t)sizeof(float) * 2 * kv_stride : (int64_t)sizeof(float) * ks); c += 64)
@@ -249,8 +254,17 @@ static inline __attribute__((always_inline)) void attend(
                 for (int h = 0; h < G; h++) {
                     const float *qh = q0 + h * D;
                     int t = a;
-                    for (; t + 8 <= b; t += 8) dots8(qh, kb + t * ks, ks, D, scale, s + h * tile + t);
-                    for (; t < b; t++) s[h * tile + t] = dot(qh, kb + t * ks, D) * scale;
+                    for (; t + 8 <= b; t += 8) {
+                        if (!direct) {
+                            dots8(qh, kb + t * ks, ks, D, scale, s + h * tile + t);
+                        } else if (t % BS + 8 <= BS) {
+                            dots8(qh, KROW(t), key_stride, D, scale, s + h * tile + t);
+                        } else { /* eight keys across two blocks: gathered, so they are summed as eight */
+                            for (int u = 0; u < 8; u++) memcpy(blockbuf + u * D, KROW(t + u), sizeof(float) * D);
+                            dots8(qh, blockbuf, D, D, scale, s + h * tile + t);
+                        }
+                    }
+                    for (; t < b; t++) s[h * tile + t] = dot(qh, direct ? KROW(t) : kb + t * ks, D) * scale;
                 }
                 for (int h = 0; h < G; h++) { /* online softmax: rescale what was summed under an older max */
                     float *sh = s + h * tile, mx = max_from(sh, a, b, m[r0 + h]);
@@ -269,7 +283,13 @@ static inline __attribute__((always_inline)) void attend(
                 }
                 /* acc[h] += sum_t p[h][t] v[t]: all G heads' accumulators in registers where they fit, so each
                  * value row is loaded once for the G heads (else one 8-wide slice at a time) */
-                if (!pv_in_registers(acc0, s, vb, ks, a, b, tile, G, D / 8))
+                if (direct) /* a block's keys at a time (the accumulators stored and reloaded: the same sums) */
+                    for (int t0 = a; t0 < b;) {
+                        const int t1 = (t0 / BS + 1) * BS < b ? (t0 / BS + 1) * BS : b;
+                        pv_in_registers(acc0, s + t0, KROW(t0) + kv_stride, key_stride, 0, t1 - t0, tile, G, D / 8);
+                        t0 = t1;
+                    }
+                else if (!pv_in_registers(acc0, s, vb, ks, a, b, tile, G, D / 8))
                     for (int c = 0; c < chunks; c++)
                         for (int h = 0; h < G; h++) {
                             const float *ph = s + h * tile, *v = vb + 8 * c;
@@ -285,6 +305,7 @@ static inline __attribute__((always_inline)) void attend(
                         }
             }
         }
+#undef KROW
     }
     for (int g = g_lo; g < g_hi; g++)
         for (int qi = 0; qi < Q; qi++)
@@ -299,14 +320,17 @@ static inline __attribute__((always_inline)) void attend(
  * and their accumulators stay in registers (measured: ~1.6x less compute at head_dim 32). */
 static void attend_any(const float *query, const float *cache, const int32_t *table, int32_t seq_len, float *out,
                        int Q, int H, int Hkv, int D, int BS, float scale, int window, int g_lo, int g_hi,
-                       float *acc, float *s, float *blockbuf) {
-#define ATTEND(DIM) attend(query, cache, table, seq_len, out, Q, H, Hkv, DIM, BS, scale, window, g_lo, g_hi, acc, s, blockbuf)
+                       float *acc, float *s, float *blockbuf, int direct) {
+#define ATTEND(DIM, DIRECT) attend(query, cache, table, seq_len, out, Q, H, Hkv, DIM, BS, scale, window, g_lo, g_hi, \
+                                   acc, s, blockbuf, DIRECT)
+#define BOTH(DIM) if (direct) ATTEND(DIM, 1); else ATTEND(DIM, 0)
     switch (D) {
-    case 32: ATTEND(32); break;
-    case 64: ATTEND(64); break;
-    case 128: ATTEND(128); break;
-    default: ATTEND(D);
+    case 32: BOTH(32); break;
+    case 64: BOTH(64); break;
+    case 128: BOTH(128); break;
+    default: BOTH(D);
     }
+#undef BOTH
 #undef ATTEND
 }
 
@@ -319,6 +343,12 @@ int tandem_paged_decode_f32(const float *query, const float *cache, const int32_
     /* A unit of work is a whole sequence (its blocks read once, front to back); with fewer sequences
      * than threads, one KV head of a sequence, so a batch of one still uses every thread. */
     const int per_head = B < num_threads, units = per_head ? B * Hkv : B;
+    /* One KV head of key rows of at most 1 KiB: read where it lies, no tile copy (a unit reads a strided
+     * quarter or half of each row, which the copy gathered 8 floats at a time). Batch-1 decode, both libraries
+     * swapped in one process (docs/PERFORMANCE.md, session 30): the shipped model (4 x 32) at 800 tokens
+     * 1.09-1.15x, with EAGLE 1.09x; the 55M (2 x 64) at 1900 tokens 0.98-1.02x. Whole sequences (rows read
+     * front to back, copied by memcpy) and 8 x 128 heads read in place were 1.1-1.3x slower: they copy. */
+    const int G = H / Hkv, direct = per_head && Hkv * D <= 256 && (G == 1 || G == 2 || G == 4 || G == 8);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && units > 1)
     {
         /* per-thread scratch: the rows' accumulators, one tile's scores and its keys and values */
@@ -329,7 +359,8 @@ int tandem_paged_decode_f32(const float *query, const float *cache, const int32_
         for (int i = 0; i < units; i++) {
             const int b = per_head ? i / Hkv : i, g = per_head ? i % Hkv : 0;
             attend_any(query + b * seq_stride, cache, block_tables + b * table_stride, seq_lens[b],
-                   out + b * seq_stride, Q, H, Hkv, D, BS, scale, window, g, per_head ? g + 1 : Hkv, acc, s, blockbuf);
+                   out + b * seq_stride, Q, H, Hkv, D, BS, scale, window, g, per_head ? g + 1 : Hkv, acc, s, blockbuf,
+                   direct);
         }
         free(acc);
     }
