@@ -153,13 +153,8 @@ def allocate_kv_caches(layout: CacheLayout, num_blocks: int, device: torch.devic
                        ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """The engine's KV memory in plain memory: one `[num_blocks, 2, block_size, kv_heads, head_dim]`
     tensor per layer and, for a quantized layout, one float32 `[num_blocks, 2, block_size, kv_heads]`
-    scale tensor per layer. A transport that wants it elsewhere (shm) has its own allocator.
-
-    On a CPU the tensors lie in one block of 2 MiB pages (tandem/models/weight_arena.py): decode attention
-    reads a sequence's blocks scattered over the whole cache, one TLB miss per 4 KiB page in plain memory
-    (measured: the attention kernel 5-20% faster over a huge-page cache, docs/PERFORMANCE.md session 30).
-    Zero-filled here, so every page is committed at start-up as torch.zeros commits it: a cache too big for
-    the machine fails now, not under load."""
+    scale tensor per layer. A transport that wants it elsewhere (shm) has its own allocator. On a CPU: one
+    zero-filled, committed block of huge pages (weight_arena.zeros; attention 5-20% faster, session 30)."""
     if num_blocks <= 0:
         raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
     specs = {f"kv{i}": ((num_blocks, *layout.block_shape), layout.torch_kv_dtype) for i in range(layout.num_layers)}
