@@ -131,6 +131,43 @@ def test_the_fused_layer_follows_a_written_weight(monkeypatch):
     assert not torch.equal(first, again) and torch.equal(again, module)
 
 
+def test_a_kept_layer_stack_follows_written_and_replaced_weights_and_a_new_cache(monkeypatch):
+    """run_layers keeps a model's layer stack (its C arrays) on the ModuleList between steps: a weight written in
+    place, a parameter replaced by another tensor, or another cache tensor for a layer must each be seen at
+    the next call, bitwise as the module path sees it."""
+    layers = torch.nn.ModuleList(_layer("LlamaForCausalLM", False, False, seed=s) for s in (4, 5))
+    for i, layer in enumerate(layers):
+        layer.self_attn.layer_idx = i
+    x, rope, meta, cache = _step(layers[0], 1, 1, seed=4)
+    meta.kv_caches = [cache, cache.clone()]
+
+    def both():
+        with torch.inference_mode():
+            caches = [c.clone() for c in meta.kv_caches]
+            saved, meta.kv_caches = meta.kv_caches, caches
+            fused = fused_decode.run_layers(layers, x, rope, meta)
+            meta.kv_caches = [c.clone() for c in saved]
+            module = x
+            for layer in layers:
+                module = _module_path(layer, module, rope, meta, monkeypatch)
+            meta.kv_caches = saved
+        assert fused is not None and torch.equal(fused, module)
+        return fused
+
+    first = both()
+    assert "_fused_stack" in layers.__dict__
+    with torch.no_grad():
+        layers[1].mlp.down_proj.weight.mul_(2)  # written in place
+    written = both()
+    layers[0].self_attn.o_proj.weight = torch.nn.Parameter(layers[0].self_attn.o_proj.weight.detach() * 0.5,
+                                                           requires_grad=False)  # replaced
+    replaced = both()
+    meta.kv_caches = [meta.kv_caches[0], torch.randn_like(meta.kv_caches[1])]  # layer 1 reads another cache
+    recached = both()
+    assert not torch.equal(first, written) and not torch.equal(written, replaced)
+    assert not torch.equal(replaced, recached)
+
+
 def test_steps_it_does_not_apply_to_are_left_to_the_module_path():
     layer = _layer("LlamaForCausalLM", False, False, seed=2)
     x, rope, meta, _ = _step(layer, 1, 1, seed=2)

@@ -15,12 +15,20 @@
  * Rows of W are split over OpenMP threads (torch's runtime: kernels/native_cpu.py). */
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 static inline f32x8 widen8(const uint16_t *p) { /* 8 bf16 -> 8 fp32: the bits moved to the high half */
+#if defined(__AVX2__)
+    /* One zero-extending load (vpmovzxwd ymm, m128): GCC 12 lowers the generic conversion below to two
+     * 128-bit extensions, a byte shift and an insert, four shuffle-port instructions for 8 weights. */
+    return (f32x8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#endif
     u16x8 h;
     memcpy(&h, p, sizeof h);
     const u32x8 w = __builtin_convertvector(h, u32x8) << 16;

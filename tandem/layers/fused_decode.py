@@ -15,12 +15,17 @@ in inference; anywhere else `run` returns None and the module path runs.
 `run_layers` runs a step's layers in one C call (LlamaModel takes it first): inside a step, the Python
 between per-layer calls cost ~65 us a layer, not the ~15 us it costs alone, because each layer's weight
 stream evicts the code and data it uses; one call for the model made batch-1 decode of the shipped model
-1.17-1.20x faster (the 55M Llama, bound by its weights: 1.03x; docs/PERFORMANCE.md, session 28).
+1.17-1.20x faster (the 55M Llama, bound by its weights: 1.03x; docs/PERFORMANCE.md, session 28). What that
+call needs (the layers' C arrays) is kept on the model's layer list and checked as a whole each step (_stack):
+asking each layer for its plan cost 59 us of Python a step against 19, and batch-1 decode of the shipped
+model 1.08-1.15x (session 31).
 """
 
 from __future__ import annotations
 
 import ctypes
+import operator
+from dataclasses import dataclass
 
 import torch
 
@@ -51,36 +56,42 @@ def _params(layer) -> tuple:
     """The layer's linear weights and biases and its norms' weights (None for a missing one: no bias, an EAGLE
     head's first layer without input norm). Where they live is looked up once per layer (nn.Module's
     attribute lookup made this ~9 us a call); a parameter replaced since is still seen."""
-    slots = layer.__dict__.get("_fused_param_slots")
+    slots = layer.__dict__.get("_fused_slots")
     if slots is None:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        slots = tuple((lin._parameters, name) for lin in linears for name in ("weight", "bias")) + tuple(
-            (norm._parameters, "weight") for norm in (layer.input_layernorm, layer.post_attention_layernorm))
-        layer._fused_param_slots = slots
-    return tuple(params.get(name) for params, name in slots)
+        pairs = [(lin._parameters, name) for lin in linears for name in ("weight", "bias")] + [
+            (norm._parameters, "weight") for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
+        slots = layer._fused_slots = ([d for d, _ in pairs], [name for _, name in pairs])
+    return tuple(map(dict.get, *slots))  # map over C callables: no Python frame per parameter
 
 
-def _versions(params: tuple) -> tuple:
+_VERSION = operator.attrgetter("_version")
+
+
+def _versions(present: tuple) -> tuple:
     try:
-        return tuple(None if p is None else p._version for p in params)
+        return tuple(map(_VERSION, present))
     except RuntimeError:  # made under inference_mode: no version counter; storage and shape, as Linear keys them
-        return tuple(None if p is None else _weight_key(p) for p in params)
+        return tuple(map(_weight_key, present))
 
 
 def _layer_plan(layer) -> tuple | None:
     """(the C struct, a scratch buffer for MAX_ROWS rows), made again when one of the layer's parameters is
-    replaced or written (keyed on the parameters and their version counters: ~1 us a call, where asking
-    each linear for its plan cost ~15); None where a linear has no C plan."""
+    replaced or written (keyed on the parameters' identities and version counters: a few us a call, where
+    asking each linear for its plan cost ~15); None where a linear has no C plan. Called for every layer of
+    every small decode step, so the check runs as C-level maps (generator expressions here cost ~6 us a
+    layer, ~30 us a step of the shipped model)."""
     params = _params(layer)
-    versions = _versions(params)
-    cached = layer.__dict__.get("_fused_decode")
-    if cached is not None and cached[0] == versions and all(a is b for a, b in zip(cached[1], params)):
-        return cached[2]
+    ids = tuple(map(id, params))
+    cached = layer.__dict__.get("_fused_plan")
+    if cached is not None and cached[0] == ids and cached[2] == _versions(cached[1]):
+        return cached[3]
+    present = tuple(p for p in params if p is not None)
     planned = _make_layer_plan(layer)
-    # The entry keeps the parameters (so their ids stay theirs) and the plans (so their bf16 copies and the
-    # addresses in the struct) alive.
-    layer._fused_decode = (versions, params, planned)
+    # The entry keeps the parameters (so the ids in it stay theirs) and the plans (so their bf16 copies and
+    # the addresses in the struct) alive.
+    layer._fused_plan = (ids, present, _versions(present), planned)
     return planned
 
 
@@ -116,30 +127,23 @@ def run_layers(layers, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
     if (not layers or not 0 < t <= MAX_ROWS or meta.num_decode_tokens != t or meta.layer_hook is not None
             or meta.kv_scales is not None or meta.ops.name != "native" or not fused.ALLOWED or lib is None):
         return None
-    first = layers[0].self_attn
+    stack = _stack(layers, meta.kv_caches)
+    if stack is None or t > stack.max_rows:
+        return None
     cos, sin = rope
-    slots, cache0 = meta.slot_mapping, meta.kv_caches[first.layer_idx]
-    if (x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or cos.shape != (t, 1, first.head_dim)
+    slots, head_dim = meta.slot_mapping, stack.head_dim
+    if (x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or cos.shape != (t, 1, head_dim)
             or not cos.is_contiguous() or not sin.is_contiguous() or cos.dtype != torch.float32
             or slots.dtype != torch.int64 or not slots.is_contiguous()
-            or (torch.is_grad_enabled() and first.qkv_proj.weight.requires_grad)):
+            or (torch.is_grad_enabled() and layers[0].self_attn.qkv_proj.weight.requires_grad)):
         return None
-    planned = []
-    for layer in layers:
-        attn = layer.self_attn
-        cache = meta.kv_caches[attn.layer_idx]
-        plan = _layer_plan(layer) if attn.q_norm is None and attn.head_dim == first.head_dim else None
-        if (plan is None or t > plan[2] or cache.dtype != torch.float32 or not cache.is_contiguous()
-                or not cache.is_cpu or cache.shape != cache0.shape):
-            return None
-        planned.append((plan, cache))
-    num_blocks, block_size = cache0.shape[0], cache0.shape[2]
-    for window in {layer.self_attn.window for layer in layers}:  # blocks every layer reads are in the cache
+    num_blocks, block_size = stack.num_blocks, stack.block_size
+    for window in stack.windows:  # blocks every layer reads are in the cache
         tables, lens = native_cpu._checked(meta.decode_block_tables, meta.decode_seq_lens, meta.decode_query_len,
                                            num_blocks, block_size, window)
-    structs, caches, scratch = _arrays(layers[0], planned)
     out = torch.empty_like(x)
     tmp = torch.empty_like(x) if len(layers) > 1 else None
+    structs, caches, scratch = stack.arrays
     rc = lib.tandem_decode_layers_f32(
         structs, len(layers), caches, scratch, x.data_ptr(), out.data_ptr(), None if tmp is None else tmp.data_ptr(),
         t, cos.data_ptr(), sin.data_ptr(), num_blocks * block_size, block_size, slots.data_ptr(), tables.data_ptr(),
@@ -147,16 +151,64 @@ def run_layers(layers, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
     return out if rc == 0 else None  # a refusal (a slot outside the cache, say): the module path decides
 
 
-def _arrays(owner, planned: list[tuple[tuple, torch.Tensor]]) -> tuple:
-    """The C arrays of the layers' structs, cache and scratch addresses, kept on `owner` while the plans and
-    caches they were made from stay the same objects (a plan is remade when its weights change)."""
-    key = tuple(id(p) for pair in planned for p in pair)
-    cached = owner.__dict__.get("_fused_arrays")
-    if cached is not None and cached[0] == key:
-        return cached[2]
+@dataclass
+class _Stack:
+    """A run of layers' C arrays (their structs, cache and scratch addresses) and what run_layers checks them
+    by, kept on the layers' container while their parameters (identity and version) and caches stay the same."""
+
+    dicts: list  # where each parameter of every layer lives (_params' slots, all layers in a row) ...
+    names: list  # ... and under which name
+    ids: tuple  # the ids of those parameters (None included) when the arrays were made
+    present: tuple  # the parameters themselves (keeps those ids theirs), None left out
+    versions: tuple  # their version counters then
+    caches: tuple  # the layers' cache tensors
+    cache_index: tuple  # each layer's index into the step's kv_caches
+    planned: list  # each layer's plan (keeps its struct, scratch and bf16 copies alive)
+    arrays: tuple
+    max_rows: int
+    head_dim: int
+    windows: tuple
+    num_blocks: int
+    block_size: int
+
+
+def _stack(layers, kv_caches: list) -> _Stack | None:
+    """The layers' _Stack, or None where one of them has no C plan or its cache does not qualify (fp32,
+    contiguous, on the CPU, all of one shape). Checked as a whole, with C-level maps over every parameter:
+    asking each layer for its plan (_layer_plan) cost ~30-40 us a step of the shipped model here, ~4x that
+    inside a step whose weight streams evict the interpreter's data (docs/PERFORMANCE.md, session 31)."""
+    held = getattr(layers, "__dict__", {}).get("_fused_stack")  # a plain list (run) is planned every call
+    if held is not None:
+        ids = tuple(map(id, map(dict.get, held.dicts, held.names)))
+        if (ids == held.ids and _versions(held.present) == held.versions
+                and tuple(map(id, map(kv_caches.__getitem__, held.cache_index))) == tuple(map(id, held.caches))):
+            return held
+    return _make_stack(layers, kv_caches)
+
+
+def _make_stack(layers, kv_caches: list) -> _Stack | None:
+    first = layers[0].self_attn
+    planned, cache_index = [], []
+    for layer in layers:
+        attn = layer.self_attn
+        plan = _layer_plan(layer) if attn.q_norm is None and attn.head_dim == first.head_dim else None
+        cache = kv_caches[attn.layer_idx]
+        if (plan is None or cache.dtype != torch.float32 or not cache.is_contiguous() or not cache.is_cpu
+                or cache.shape != kv_caches[first.layer_idx].shape):
+            return None
+        planned.append(plan)
+        cache_index.append(attn.layer_idx)
+    caches = tuple(kv_caches[i] for i in cache_index)
     n = len(planned)
-    arrays = ((_LayerPlan * n)(*(plan[0] for plan, _ in planned)),
-              (ctypes.c_void_p * n)(*(cache.data_ptr() for _, cache in planned)),
-              (ctypes.c_void_p * n)(*(plan[1].data_ptr() for plan, _ in planned)))
-    owner._fused_arrays = (key, planned, arrays)  # `planned` keeps the ids in the key theirs
-    return arrays
+    arrays = ((_LayerPlan * n)(*(plan[0] for plan in planned)), (ctypes.c_void_p * n)(*(c.data_ptr() for c in caches)),
+              (ctypes.c_void_p * n)(*(plan[1].data_ptr() for plan in planned)))
+    slots = [layer._fused_slots for layer in layers]  # made by _layer_plan's _params
+    dicts, names = [d for sl in slots for d in sl[0]], [name for sl in slots for name in sl[1]]
+    params = tuple(map(dict.get, dicts, names))
+    present = tuple(p for p in params if p is not None)
+    stack = _Stack(dicts, names, tuple(map(id, params)), present, _versions(present), caches, tuple(cache_index),
+                   planned, arrays, min(plan[2] for plan in planned), first.head_dim,
+                   tuple({layer.self_attn.window for layer in layers}), caches[0].shape[0], caches[0].shape[2])
+    if hasattr(layers, "__dict__"):
+        layers._fused_stack = stack
+    return stack
