@@ -37,28 +37,23 @@ class FusedDrafter:
         self._planned: tuple | None = None  # (the plans it was made from, ctypes args, scratch)
 
     def _plans(self, lib, batch: int) -> tuple | None:
-        layers = [fused_decode._layer_plan(layer) for layer in self.head.layers]
+        stack = fused_decode._stack(self.head.layers, self.kv_caches)
         linears = (self.head.fc.small_batch_plan(), self.lm_head.small_batch_plan())
-        if any(p is None for p in (*layers, *linears)) or any(batch > p[2] for p in layers) or any(
+        if stack is None or batch > stack.max_rows or any(p is None for p in linears) or any(
                 batch > (linear_mod.SMALL_BATCH_BF16 if p[3] else linear_mod.SMALL_BATCH) for p in linears):
             return None
         made = self._planned
-        if made is not None and all(a is b for a, b in zip(made[0], (*layers, *linears))):
+        if made is not None and made[0][0] is stack and all(a is b for a, b in zip(made[0][1:], linears)):
             return made[1], made[2]
-        structs = (fused_decode._LayerPlan * len(layers))(*(p[0] for p in layers))
+        structs, caches, _ = stack.arrays
         fc = fused_decode._linear_plan(self.head.fc, linears[0])
         lm = fused_decode._linear_plan(self.lm_head, linears[1])
-        caches = (ctypes.c_void_p * len(self.kv_caches))(*(c.data_ptr() for c in self.kv_caches))
-        scratch = torch.empty(lib.tandem_eagle_draft_scratch(structs, len(layers), self.lm_head.weight.shape[0]))
-        args = (structs, fc, lm, caches)
-        self._planned = ((*layers, *linears), args, scratch)
+        scratch = torch.empty(lib.tandem_eagle_draft_scratch(structs, len(stack.planned), self.lm_head.weight.shape[0]))
+        static = (self.embed.weight, self.head.rotary.cos, self.head.rotary.sin, *self.kv_caches)
+        args = (structs, ctypes.byref(fc), ctypes.byref(lm), caches, fc, lm,
+                all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in static))
+        self._planned = ((stack, *linears), args, scratch)
         return args, scratch
-
-    def _applies(self, state: torch.Tensor) -> bool:
-        tensors = (state, self.embed.weight, self.head.rotary.cos, self.head.rotary.sin, *self.kv_caches)
-        return (fused.ALLOWED and linear_mod._choice != "torch"
-                and all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
-                and all(layer.self_attn.q_norm is None for layer in self.head.layers))
 
     def draft(self, tokens: list[int], states: torch.Tensor, start_pos: list[int], tables: list[list[int]],
               steps: int, penalties: tuple[list[float], torch.Tensor] | None = None) -> list[list[int]] | None:
@@ -66,34 +61,39 @@ class FusedDrafter:
         q of request b feeds tokens[b * Q + q] with states[b * Q + q] at position start_pos[b] + q), then
         single-token passes; None where the C loop does not apply. penalties: each request's repetition
         penalty and a uint8 [B, vocab_size] mark of the logit columns it applies to (its tokens so far;
-        the C loop marks each draft), so drafts follow the penalized argmax that verification takes."""
+        the C loop marks each draft), so drafts follow the penalized argmax that verification takes.
+        Called every step at batch 1, so its arguments go as ctypes arrays (torch.tensor: ~5 us each) and
+        what does not change between calls is kept with the plans."""
         lib = native_cpu.library()
         batch = len(start_pos)
         rows = len(tokens)
-        if lib is None or not 0 < batch <= rows <= MAX_ROWS or rows % batch or steps < 1 or not self._applies(states):
+        if (lib is None or not 0 < batch <= rows <= MAX_ROWS or rows % batch or steps < 1 or not fused.ALLOWED
+                or linear_mod._choice == "torch" or states.dtype != torch.float32 or not states.is_cpu
+                or not states.is_contiguous()):
             return None
         planned = self._plans(lib, rows)
         if planned is None:
             return None
-        (structs, fc, lm, caches), scratch = planned
+        (structs, fc, lm, caches, _, _, applies), scratch = planned
+        if not applies:  # the embedding, rotary tables or caches are not fp32, contiguous, on the CPU
+            return None
         width = max(map(len, tables))
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        feed = torch.tensor(tokens, dtype=torch.int64)
-        start = torch.tensor(start_pos, dtype=torch.int64)
-        drafts = torch.empty((batch, steps), dtype=torch.int64)
+        flat = tables[0] if batch == 1 else [b for t in tables for b in t + [0] * (width - len(t))]
+        table = (ctypes.c_int32 * len(flat))(*flat)
+        drafts = (ctypes.c_int64 * (batch * steps))()
         if penalties is not None:
             rep = torch.tensor(penalties[0], dtype=torch.float32)
             if penalties[1].shape != (batch, self.vocab_size) or penalties[1].dtype != torch.uint8:
                 raise ValueError(f"penalty marks {tuple(penalties[1].shape)} for {batch} x {self.vocab_size} columns")
         rotary, embed = self.head.rotary, self.embed.weight
         rc = lib.tandem_eagle_draft_f32(
-            structs, len(structs), ctypes.byref(fc), ctypes.byref(lm), self.vocab_size, embed.data_ptr(),
+            structs, len(structs), fc, lm, self.vocab_size, embed.data_ptr(),
             embed.shape[0], rotary.cos.data_ptr(), rotary.sin.data_ptr(), rotary.cos.shape[0], caches,
-            self.kv_caches[0].shape[0], self.block_size, table.data_ptr(), width, batch, rows // batch,
-            feed.data_ptr(), states.data_ptr(), start.data_ptr(), steps,
+            self.kv_caches[0].shape[0], self.block_size, table, width, batch, rows // batch,
+            (ctypes.c_int64 * rows)(*tokens), states.data_ptr(), (ctypes.c_int64 * batch)(*start_pos), steps,
             None if self.draft_ids is None else self.draft_ids.data_ptr(),
             None if penalties is None else rep.data_ptr(), None if penalties is None else penalties[1].data_ptr(),
-            drafts.data_ptr(), scratch.data_ptr(), torch.get_num_threads())
+            drafts, scratch.data_ptr(), torch.get_num_threads())
         # A refusal comes before its pass writes anything; the Python passes then redo them all (writing the
         # earlier passes' K/V again, identically) and meet the same problem with their own error.
-        return drafts.tolist() if rc == 0 else None
+        return [drafts[b * steps:(b + 1) * steps] for b in range(batch)] if rc == 0 else None
