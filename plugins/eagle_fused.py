@@ -42,17 +42,18 @@ class FusedDrafter:
         if stack is None or batch > stack.max_rows or any(p is None for p in linears) or any(
                 batch > (linear_mod.SMALL_BATCH_BF16 if p[3] else linear_mod.SMALL_BATCH) for p in linears):
             return None
-        made = self._planned
-        if made is not None and made[0][0] is stack and all(a is b for a, b in zip(made[0][1:], linears)):
+        made, embed = self._planned, self.embed.weight
+        if made is not None and made[0][0] is stack and made[0][1] is embed and all(
+                a is b for a, b in zip(made[0][2:], linears)):
             return made[1], made[2]
         structs, caches, _ = stack.arrays
         fc = fused_decode._linear_plan(self.head.fc, linears[0])
         lm = fused_decode._linear_plan(self.lm_head, linears[1])
         scratch = torch.empty(lib.tandem_eagle_draft_scratch(structs, len(stack.planned), self.lm_head.weight.shape[0]))
-        static = (self.embed.weight, self.head.rotary.cos, self.head.rotary.sin, *self.kv_caches)
+        static = (embed, self.head.rotary.cos, self.head.rotary.sin, *self.kv_caches)
         args = (structs, ctypes.byref(fc), ctypes.byref(lm), caches, fc, lm,
                 all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in static))
-        self._planned = ((stack, *linears), args, scratch)
+        self._planned = ((stack, embed, *linears), args, scratch)
         return args, scratch
 
     def draft(self, tokens: list[int], states: torch.Tensor, start_pos: list[int], tables: list[list[int]],
