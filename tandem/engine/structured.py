@@ -200,8 +200,9 @@ class GrammarState:
 
     @property
     def finished(self) -> bool:
-        """The grammar is complete: nothing may follow (the request should stop)."""
-        return self.matcher.is_stopped() or self.matcher.is_error()
+        """The grammar is complete, or failed: nothing may follow (the request should stop). llguidance's
+        is_stopped covers its error state too (one call a step, not two)."""
+        return self.matcher.is_stopped()
 
     def allows(self, token: int) -> bool:
         """The grammar accepts `token` next (checked, not consumed): a few microseconds, against a
