@@ -28,13 +28,14 @@ static inline f32x8 widen8(const uint16_t *p) { /* 8 bf16 -> 8 fp32: the bits mo
     /* One zero-extending load (vpmovzxwd ymm, m128): GCC 12 lowers the generic conversion below to two
      * 128-bit extensions, a byte shift and an insert, four shuffle-port instructions for 8 weights. */
     return (f32x8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
-#endif
+#else
     u16x8 h;
     memcpy(&h, p, sizeof h);
     const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
     f32x8 f;
     memcpy(&f, &w, sizeof f);
     return f;
+#endif
 }
 
 static inline float widen1(uint16_t h) {
