@@ -161,7 +161,8 @@ class _Stack:
     ids: tuple  # the ids of those parameters (None included) when the arrays were made
     present: tuple  # the parameters themselves (keeps those ids theirs), None left out
     versions: tuple  # their version counters then
-    caches: tuple  # the layers' cache tensors
+    caches: tuple  # the layers' cache tensors (kept: their ids below stay theirs)
+    cache_ids: tuple
     cache_index: tuple  # each layer's index into the step's kv_caches
     planned: list  # each layer's plan (keeps its struct, scratch and bf16 copies alive)
     arrays: tuple
@@ -181,7 +182,7 @@ def _stack(layers, kv_caches: list) -> _Stack | None:
     if held is not None:
         ids = tuple(map(id, map(dict.get, held.dicts, held.names)))
         if (ids == held.ids and _versions(held.present) == held.versions
-                and tuple(map(id, map(kv_caches.__getitem__, held.cache_index))) == tuple(map(id, held.caches))):
+                and tuple(map(id, map(kv_caches.__getitem__, held.cache_index))) == held.cache_ids):
             return held
     return _make_stack(layers, kv_caches)
 
@@ -206,8 +207,8 @@ def _make_stack(layers, kv_caches: list) -> _Stack | None:
     dicts, names = [d for sl in slots for d in sl[0]], [name for sl in slots for name in sl[1]]
     params = tuple(map(dict.get, dicts, names))
     present = tuple(p for p in params if p is not None)
-    stack = _Stack(dicts, names, tuple(map(id, params)), present, _versions(present), caches, tuple(cache_index),
-                   planned, arrays, min(plan[2] for plan in planned), first.head_dim,
+    stack = _Stack(dicts, names, tuple(map(id, params)), present, _versions(present), caches, tuple(map(id, caches)),
+                   tuple(cache_index), planned, arrays, min(plan[2] for plan in planned), first.head_dim,
                    tuple({layer.self_attn.window for layer in layers}), caches[0].shape[0], caches[0].shape[2])
     if hasattr(layers, "__dict__"):
         layers._fused_stack = stack
