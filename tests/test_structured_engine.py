@@ -128,3 +128,21 @@ def test_a_cpu_engine_computes_masks_on_its_own_thread(llm):
     grammars, cpu = llm.engine.grammars, llm.engine.config.torch_device.type == "cpu"
     assert grammars.threads is not cpu
     assert (grammars._executor is None and grammars._mask_pool is None) is cpu
+
+
+@pytest.mark.parametrize("speculator", [None, "ngram"])
+def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(ckpt, llm, speculator):
+    """Where the grammar is complete (a choice made, a bounded regex matched), the request stops there with
+    finish_reason "stop", even under ignore_eos (EOS is not what ends it): the grammar state's `finished`
+    must follow every consumed token. The output is one of the choices, not choice + EOS-masked filler up to
+    max_tokens."""
+    engine = llm if speculator is None else LLM(ckpt, num_kv_blocks=512, dtype="float32", speculator="ngram",
+                                                num_speculative_tokens=3)
+    prompt = llm.engine.tokenizer.encode("def parse(text):\n    return ")
+    for spec, valid in ((SPECS[2][0], lambda t: t in ("return", "yield", "pass")),
+                        ({"regex": "[a-c]{3}"}, lambda t: re.fullmatch("[a-c]{3}", t) is not None)):
+        outs = engine.generate([prompt] * 3, [SamplingParams(temperature=1.0, seed=s, max_tokens=30, ignore_eos=True,
+                                                             structured_outputs=spec) for s in range(3)])
+        for out in outs:
+            assert valid(out.text) and out.finish_reason == "stop" and len(out.token_ids) < 30, \
+                (spec, out.text, out.finish_reason, len(out.token_ids))
