@@ -106,27 +106,28 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
     return out.tolist()
 
 
-MAX_TOPK = 64  # the C pass keeps its k best in a fixed array
-
-
-def topk_rows(x: torch.Tensor, rows: list[int], k: int) -> list[list[int] | None]:
-    """The k best column indices of each of x's rows `rows` [.., V], best first by (value desc, index
-    asc): the order the first-maximum argmax would pick them in, ties included. None for a row
-    holding a NaN (its argmax is the first NaN). k <= V."""
-    lib = _native(x) if x.dim() == 2 and k <= MAX_TOPK else None
-    if lib is None:
-        part = x[torch.tensor(rows, dtype=torch.long, device=x.device)]  # long: rows may be []
-        order = torch.sort(part, dim=1, descending=True, stable=True).indices[:, :k].tolist()
-        nan = part.isnan().any(dim=1).tolist()
-        return [None if bad else o for o, bad in zip(order, nan)]
+def masked_argmax(x: torch.Tensor, rows: list[int], words: torch.Tensor, vocab: int) -> list[int]:
+    """For each of x's rows `rows` [.., V], the argmax among the tokens its bit mask (row i of the int32
+    words [>= len(rows), W]) allows: what masking the row (apply_bitmask) and taking argmax gives (the first
+    maximum; a NaN among the allowed tokens wins), without writing the row, except where that would leave
+    the grammar: allowed tokens all -inf give the first allowed one (not token 0), and none allowed -1."""
+    lib = _native(x)
     n = len(rows)
+    if lib is None or x.dim() != 2 or words.dtype != torch.int32 or not words.is_contiguous() or not words.is_cpu:
+        if not n:
+            return []
+        allowed = unpack_bitmask(words[:n].to(x.device), vocab)[:, :x.shape[1]]
+        part = x[torch.tensor(rows, dtype=torch.long, device=x.device), :allowed.shape[1]]
+        part = part.masked_fill(~allowed, float("-inf"))
+        first = allowed.int().argmax(-1)  # the first allowed token (0 where none is)
+        best = torch.where(part.amax(-1) == float("-inf"), first, part.argmax(-1))  # a NaN row: amax is NaN
+        return torch.where(allowed.any(-1), best, -1).tolist()
     if n and not 0 <= min(rows) <= max(rows) < x.shape[0]:
-        raise ValueError(f"topk_rows: rows {rows} outside x's {x.shape[0]} rows")
-    out = (ctypes.c_int64 * (n * k))()  # ctypes arrays: torch tensors cost ~10 us to make and read back
-    lib.tandem_topk_rows_f32(x.data_ptr(), x.stride(0), x.shape[1], (ctypes.c_int64 * n)(*rows), n, k, out,
-                             torch.get_num_threads())
-    flat = out[:]
-    return [None if flat[i] < 0 else flat[i:i + k] for i in range(0, n * k, k)]
+        raise ValueError(f"masked_argmax: rows {rows} outside x's {x.shape[0]} rows")
+    out = (ctypes.c_int64 * n)()  # ctypes arrays: torch tensors cost ~10 us to make and read back
+    lib.tandem_masked_argmax_f32(x.data_ptr(), x.stride(0), x.shape[1], (ctypes.c_int64 * n)(*rows), n,
+                                 words.data_ptr(), words.shape[-1], vocab, out)
+    return out[:]
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

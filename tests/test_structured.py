@@ -162,56 +162,81 @@ def test_batched_masks_equal_single_masks_and_torch_stays_on_the_caller(grammars
     assert threads and set(threads) == {threading.current_thread()}
 
 
-class _Allow:
-    """A grammar state stand-in that allows a fixed set of tokens (best_allowed asks nothing else)."""
+def _words(allowed: list[set[int]], vocab: int) -> "torch.Tensor":
+    """llguidance's bit layout for token sets: int32 words [rows, ceil(vocab / 32)], bit b of word w = token 32 w + b."""
+    import torch
 
-    def __init__(self, allowed: set[int]) -> None:
-        self.allowed = allowed
+    words = [[0] * ((vocab + 31) // 32) for _ in allowed]
+    for r, tokens in enumerate(allowed):
+        for t in tokens:
+            words[r][t // 32] |= 1 << (t % 32)
+    return torch.tensor([[w - (1 << 32) if w >= 1 << 31 else w for w in row] for row in words], dtype=torch.int32)
 
-    def allows(self, token: int) -> bool:
-        return token in self.allowed
 
-
-def test_best_allowed_is_the_masked_argmax_or_declines():
-    """A greedy row's best candidates give exactly the masked argmax (the argmax itself when allowed),
-    ties by lowest index, and decline (None: the row gets a mask) only when no candidate is allowed;
-    the C pass and the torch order (the fallback) agree."""
+def test_masked_argmax_is_the_argmax_of_the_masked_row_in_c_and_torch():
+    """fused.masked_argmax (the greedy pick under a grammar) equals argmax over the row masked to -inf:
+    ties by lowest index, a NaN among the allowed tokens winning, NaN and large values outside the mask
+    ignored, padded columns past the vocabulary never picked, rows picked out of order, sparse and whole
+    words; where the masked argmax would leave the grammar (allowed tokens all -inf) it gives the first
+    allowed token, and -1 where nothing is allowed. The C pass and the torch fallback (a GPU's) agree."""
     import torch
 
     from kernels import fused
-    from tandem.engine.structured import CANDIDATES, best_allowed
 
     gen = torch.Generator().manual_seed(0)
-    found_some = 0
-    for _ in range(200):  # random rows with many ties: compare with argmax over the masked row
-        row = torch.randint(0, 6, (1, 40), generator=gen).float()
-        allowed = set(torch.randperm(40, generator=gen)[:int(torch.randint(1, 40, (1,), generator=gen))].tolist())
-        masked = torch.full_like(row, float("-inf"))
-        masked[0, sorted(allowed)] = row[0, sorted(allowed)]
-        order = torch.sort(row[0], descending=True, stable=True).indices.tolist()  # argmax's order, ties by index
-        expect = int(masked.argmax()) if int(masked.argmax()) in order[:CANDIDATES] else None
-        assert best_allowed(row, [0], [_Allow(allowed)]) == [expect]
-        found_some += expect is not None
-    assert found_some > 50
-    flat = torch.ones(1, 3 * CANDIDATES)
-    flat[0, -1] = 2.0  # the argmax, refused; every other token ties: lowest index first
-    assert best_allowed(flat, [0], [_Allow({3 * CANDIDATES - 1, 0})]) == [3 * CANDIDATES - 1]  # the argmax, allowed
-    assert best_allowed(flat, [0], [_Allow({0})]) == [0]
-    assert best_allowed(flat, [0], [_Allow({CANDIDATES - 1, 3})]) == [3]
-    assert best_allowed(flat, [0], [_Allow({CANDIDATES})]) == [None]  # past the K
-    flat[0, 5] = float("nan")  # argmax is the first NaN: no candidate can stand for the masked one
-    assert best_allowed(flat, [0], [_Allow({0})]) == [None]
-    assert best_allowed(torch.tensor([[3.0, 1.0, 3.0]]), [0], [_Allow({2, 1})]) == [2]  # k covers the row
-    two = torch.tensor([[0.0, 5.0, 1.0], [7.0, 2.0, 9.0]])  # rows picked out of order, each its own state
-    assert best_allowed(two, [1, 0], [_Allow({0, 1}), _Allow({2})]) == [0, 2]
-    rows = torch.randint(0, 4, (6, 50), generator=gen).float()
-    native = fused.topk_rows(rows, [4, 0, 2], CANDIDATES)
-    fused.ALLOWED, saved = False, fused.ALLOWED
-    try:
-        assert fused.topk_rows(rows, [4, 0, 2], CANDIDATES) == native
-        assert fused.topk_rows(rows, [], CANDIDATES) == []  # the torch path (a GPU's) with no greedy row
-    finally:
-        fused.ALLOWED = saved
+    vocab, cols = 150, 160  # 5 words, the last partly past the vocabulary; 10 padded columns
+    for trial in range(300):
+        rows = torch.randint(0, 6, (3, cols), generator=gen).float()
+        rows[:, vocab:] = 100.0  # padded columns: never a token
+        if trial % 5 == 0:
+            rows[0, int(torch.randint(0, vocab, (1,), generator=gen))] = float("nan")
+        if trial % 7 == 0:
+            rows[1] = float("-inf")
+        dense = trial % 3 == 0  # every token allowed in row 2: whole words, the vector path
+        allowed = [set(range(vocab)) if dense and r == 2 else
+                   set(torch.randperm(vocab, generator=gen)[:int(torch.randint(1, vocab, (1,), generator=gen))].tolist())
+                   for r in range(3)]
+        picked = [2, 0, 1]
+        words = _words([allowed[r] for r in picked], vocab)
+        expect = []
+        for r in picked:
+            masked = torch.full((cols,), float("-inf"))
+            masked[sorted(allowed[r])] = rows[r, sorted(allowed[r])]
+            expect.append(min(allowed[r]) if bool(masked.max() == float("-inf")) else int(masked.argmax()))
+        assert fused.masked_argmax(rows, picked, words, vocab) == expect
+        fused.ALLOWED, saved = False, fused.ALLOWED
+        try:
+            assert fused.masked_argmax(rows, picked, words, vocab) == expect
+        finally:
+            fused.ALLOWED = saved
+    tie = torch.tensor([[1.0, 3.0, 2.0, 3.0, 3.0]])
+    for native in (True, False):
+        fused.ALLOWED, saved = native, fused.ALLOWED
+        try:
+            assert fused.masked_argmax(tie, [0], _words([{2, 3, 4}], 5), 5) == [3]  # the first of equal maxima
+            assert fused.masked_argmax(tie, [0], _words([{0, 2}], 5), 5) == [2]  # the maximum refused
+            assert fused.masked_argmax(tie, [0], _words([set()], 5), 5) == [-1]
+            assert fused.masked_argmax(tie, [], _words([{1}], 5), 5) == []
+        finally:
+            fused.ALLOWED = saved
+
+
+def test_greedy_allowed_follows_llguidance_masks(grammars):
+    """structured.greedy_allowed (real grammar states' masks into the reused buffer, then the one pass)
+    picks, for each state, the argmax over exactly the tokens its grammar's own mask allows; a batch
+    larger than the buffer grows it."""
+    import torch
+
+    specs = [{"regex": "[a-c]+"}, {"choice": ["yes", "no"]}, {"json_object": True}] * 3
+    states = [grammars.state(spec) for spec in specs]
+    logits = torch.randn(len(states) + 2, grammars.vocab_size + 8, generator=torch.Generator().manual_seed(1))
+    picked = list(range(2, len(states) + 2))
+    got = structured.greedy_allowed(logits, picked, states)
+    assert grammars.mask_buffer(1).shape[0] >= len(states)
+    for state, row, token in zip(states, picked, got):
+        allowed = state.allowed()
+        masked = logits[row, :grammars.vocab_size].masked_fill(~allowed, float("-inf"))
+        assert token == int(masked.argmax()) and bool(allowed[token])
 
 
 def test_a_model_that_fights_its_grammar_gets_masks_first(grammars):

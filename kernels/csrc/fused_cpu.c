@@ -96,48 +96,46 @@ void tandem_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t *out,
     }
 }
 
-/* Structured outputs: the k best tokens of rows row_ids[0..n) of x, best first, ordered by (value desc,
- * index asc): the order in which the greedy sampler's argmax (first maximum) would pick them were the
- * ones before masked out, ties included, so the first one a grammar allows is the masked argmax. One
- * pass a row with a k-entry insertion list (most values lose to the k-th at one compare); torch's topk
- * took ~5 us a row here and leaves the order among equal values unspecified. A row holding a NaN gets
- * out[0] = -1 (its argmax is the first NaN: the caller masks that row instead). */
-void tandem_topk_rows_f32(const float *x, int64_t row_stride, int64_t cols, const int64_t *row_ids, int64_t n,
-                          int64_t k, int64_t *out, int num_threads) {
-    enum { CHUNK = 16 };
-#pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && n >= 4)
+/* Structured outputs, greedy rows: out[r] = the argmax of x's row row_ids[r] among the tokens whose bit is
+ * set in words row r (llguidance's mask: bit b of int32 word w is token 32 w + b; tokens >= vocab or
+ * >= cols never count) -- what masking the row (apply_bitmask) and taking its argmax gives, in one pass
+ * that reads the allowed tokens only and writes nothing: the first maximum, a NaN among the allowed tokens
+ * winning as argmax's does. Two corners differ from the masked row's argmax, both toward the grammar:
+ * allowed tokens that are all -inf give the first allowed one (the masked row's argmax would be token 0,
+ * allowed or not), and a mask allowing nothing gives -1. Whole words go through a vector max; others
+ * visit their set bits only (under a narrow grammar state almost every word is 0: skipped). */
+void tandem_masked_argmax_f32(const float *x, int64_t row_stride, int64_t cols, const int64_t *row_ids, int64_t n,
+                              const int32_t *words, int64_t n_words, int64_t vocab, int64_t *out) {
+    int64_t limit = vocab < cols ? vocab : cols;
+    if (limit > n_words * 32) limit = n_words * 32;
     for (int64_t r = 0; r < n; r++) {
-        float vals[64];
         const float *row = x + row_ids[r] * row_stride;
-        int64_t *idx = out + r * k, filled = 0;
-        int nan = 0;
-        for (int64_t c = 0; c < cols && !nan; c += CHUNK) {
-            int64_t end = c + CHUNK < cols ? c + CHUNK : cols;
-            if (filled == k) {  /* a vector pass: most chunks hold nothing better than the k-th */
-                float mx = -INFINITY;
-                int bad = 0;
-#pragma omp simd reduction(max : mx) reduction(| : bad)
-                for (int64_t i = c; i < end; i++) {
-                    mx = row[i] > mx ? row[i] : mx;
-                    bad |= row[i] != row[i];
+        const int32_t *w = words + r * n_words;
+        int64_t best = -1;
+        float mx = -INFINITY;
+        for (int64_t i = 0; i * 32 < limit && !(best >= 0 && mx != mx); i++) {
+            uint32_t bits = (uint32_t)w[i];
+            const int64_t base = i * 32, end = base + 32 < limit ? base + 32 : limit;
+            if (bits == 0) continue;
+            if (bits == 0xFFFFFFFFu && end - base == 32 && best >= 0) {
+                float cm = -INFINITY;
+                int nan = 0;
+#pragma omp simd reduction(max : cm) reduction(| : nan)
+                for (int64_t t = base; t < end; t++) {
+                    cm = row[t] > cm ? row[t] : cm;
+                    nan |= row[t] != row[t];
                 }
-                if (!bad && !(mx > vals[k - 1])) continue;
+                if (!nan && !(cm > mx)) continue; /* nothing here beats the best so far */
             }
-            for (int64_t i = c; i < end; i++) {
-                float v = row[i];
-                if (v != v) { nan = 1; break; }
-                if (filled == k && !(v > vals[k - 1])) continue;  /* equal to the k-th: a later index loses */
-                int64_t j = filled < k ? filled++ : k - 1;
-                while (j > 0 && vals[j - 1] < v) {  /* after every equal value: lower indices come first */
-                    vals[j] = vals[j - 1];
-                    idx[j] = idx[j - 1];
-                    j--;
-                }
-                vals[j] = v;
-                idx[j] = i;
+            for (; bits; bits &= bits - 1) { /* in index order: the first maximum (or NaN) wins */
+                const int64_t t = base + __builtin_ctz(bits);
+                if (t >= end) break;
+                const float v = row[t];
+                if (v != v) { best = t; mx = v; break; } /* mx = NaN ends the row */
+                if (best < 0 || v > mx) { best = t; mx = v; }
             }
         }
-        if (nan) idx[0] = -1;
+        out[r] = best;
     }
 }
 

@@ -147,13 +147,12 @@ class ModelRunner:
 
     def _check_grammar(self, reqs: list[Any], rows: torch.Tensor, masked: list[int], sample: Any) -> list[int]:
         """Tokens for the plain rows `rows` (one per request of `reqs`; the rows `masked` were masked
-        before sampling). A greedy row under a grammar takes the best of its top tokens that the
-        grammar allows (structured.best_allowed: no mask, no separate argmax); other rows sample
-        (`sample(row indices)`), and a temperature row under a grammar keeps its token if the grammar
-        allows it. The rest are drawn again from their masked row. Exact: greedy's pick is the masked
-        argmax, and for sampling, P(x) = p(x) + (1 - Z) p(x) / Z = p(x) / Z for an allowed x (Z = the
-        allowed mass): the masked, renormalised distribution. A model that mostly follows its grammar
-        then costs a check per row instead of a mask per row."""
+        before sampling). A greedy row under a grammar takes its masked argmax (structured.greedy_allowed:
+        one pass, no separate argmax); other rows sample (`sample(row indices)`), and a temperature row
+        under a grammar keeps its token if the grammar allows it. The rest are drawn again from their
+        masked row. Exact: for sampling, P(x) = p(x) + (1 - Z) p(x) / Z = p(x) / Z for an allowed x
+        (Z = the allowed mass): the masked, renormalised distribution. A model that mostly follows its
+        grammar then costs a check per sampled row instead of a mask."""
         skip = set(masked)
         checked = [i for i, r in enumerate(reqs) if r.grammar is not None and i not in skip]
         greedy = [i for i in checked if reqs[i].params.greedy]
@@ -161,13 +160,12 @@ class ModelRunner:
         tokens: list[int] = [0] * len(reqs)
         for i, token in zip(others, sample(others) if others else ()):
             tokens[i] = token
-        refused = [i for i in checked if i in others and not reqs[i].grammar.allows(tokens[i])]
-        for i, token in zip(greedy, structured.best_allowed(rows, greedy, [reqs[i].grammar for i in greedy])):
-            if token is None:
-                refused.append(i)
-            else:
+        if greedy:
+            for i, token in zip(greedy, structured.greedy_allowed(rows, greedy, [reqs[i].grammar for i in greedy])):
                 tokens[i] = token
-        for i in checked:
+        drawn = [i for i in checked if i in others]
+        refused = [i for i in drawn if not reqs[i].grammar.allows(tokens[i])]
+        for i in drawn:
             reqs[i].grammar.record(i in refused)
         if not refused:
             return tokens

@@ -106,6 +106,7 @@ class Grammars:
         self._pool: ThreadPoolExecutor | None = None
         self._executor: Any = None  # llguidance.LLExecutor, on first batched mask
         self._mask_pool: ThreadPoolExecutor | None = None
+        self._mask_buffer = torch.empty((0, self.mask_words), dtype=torch.int32)
 
     def compile(self, spec: dict[str, Any]) -> llguidance.LLMatcher:
         """A pristine matcher for `spec` (cached; never advanced: requests get copies), or ValueError
@@ -137,6 +138,13 @@ class Grammars:
     def mask_words(self) -> int:
         """int32 words of one llguidance token mask: a bit per token."""
         return (self.vocab_size + 31) // 32
+
+    def mask_buffer(self, rows: int) -> torch.Tensor:
+        """int32 words [>= rows, mask_words], reused from step to step by the engine thread (greedy_allowed)."""
+        if self._mask_buffer.shape[0] < rows:
+            self._mask_buffer = torch.empty((max(rows, 2 * self._mask_buffer.shape[0]), self.mask_words),
+                                            dtype=torch.int32)
+        return self._mask_buffer
 
     def allowed_batch_async(self, states: list[GrammarState], inline: bool = False) -> PendingMasks:
         """Bit masks (int32 words [len(states), mask_words], `.result()`) for many requests at once:
@@ -242,27 +250,27 @@ class GrammarState:
 
 
 def checks_first(params: Any) -> bool:
-    """Rows whose sample can be drawn unmasked and checked afterwards (see ModelRunner._check_grammar):
-    greedy, or temperature alone. Top-k / top-p / min-p cut the distribution by its own mass, which a
-    mask changes, so those rows are masked before sampling."""
+    """Rows not masked before sampling (see ModelRunner._check_grammar): greedy (its masked argmax is one
+    pass after the forward: greedy_allowed), or temperature alone (sampled unmasked and checked). Top-k /
+    top-p / min-p cut the distribution by its own mass, which a mask changes, so those rows are masked
+    before sampling."""
     return params.greedy or (params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0)
 
 
-CANDIDATES = 8  # greedy rows under a grammar try their this many best tokens before a mask
-
-
-def best_allowed(rows: torch.Tensor, picked: list[int], states: list[GrammarState]) -> list[int | None]:
-    """For each of the greedy rows `picked`, the masked argmax found among its CANDIDATES best tokens,
-    or None (the caller masks the row). One pass over the row ranks them, in place of the argmax
-    (a model that fights its grammar has its argmax refused on most steps: a second pass for the
-    next best cost as much again). Exact, ties included: the candidates come in the order argmax
-    (the first maximum) would pick them were the ones before masked out — value desc, index asc
-    (fused.topk_rows) — so the first one the grammar allows is the masked argmax. A row holding a
-    NaN has no candidates (its argmax is the first NaN): None. (One corner differs, as it did before:
-    where every allowed candidate is -inf, this picks the first allowed by index; a mask would leave
-    only -inf and its argmax, token 0, may be one the grammar refuses.)"""
-    ranked = fused.topk_rows(rows, picked, min(CANDIDATES, rows.shape[1]))
-    return [next((t for t in candidates or () if state.allows(t)), None) for candidates, state in zip(ranked, states)]
+def greedy_allowed(rows: torch.Tensor, picked: list[int], states: list[GrammarState]) -> list[int]:
+    """For each of the greedy rows `picked` of `rows`, the masked argmax: each grammar's mask (llguidance,
+    into one reused buffer) and one C pass that reads each row's allowed tokens only (fused.masked_argmax)
+    — no copy of the row, no mask written into it, no separate argmax. Under a narrow grammar state on a
+    large vocabulary (the 55M Llama's 32000 tokens, ~99% of the mask's words 0) that is ~50 us a step where
+    masking a copy of the row and sampling it cost ~0.4 ms; on the shipped model's 4096 tokens it costs what
+    checking the argmax and the next best candidates one `validate_tokens` each did. A grammar allowing
+    nothing (it cannot: its error state still allows EOS) would give token 0, as the masked row's argmax does."""
+    grammars = states[0].grammars
+    words = grammars.mask_buffer(len(states))
+    address, nbytes = words.data_ptr(), grammars.mask_words * 4
+    for i, state in enumerate(states):
+        state.matcher.unsafe_compute_mask_ptr(address + i * nbytes, nbytes)
+    return [max(t, 0) for t in fused.masked_argmax(rows, picked, words, grammars.vocab_size)]
 
 
 class PendingMasks:
