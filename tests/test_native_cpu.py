@@ -233,6 +233,15 @@ def test_argmax_rows_is_torch_argmax_ties_nan_and_inf_included():
     x[7, 0] = float("inf")
     assert fused.argmax_rows(x) == x.argmax(-1).tolist()
     assert fused.argmax_rows(x)[3:8] == [17, 31999, 100, 0, 0]
+    # rows full of ties (the first index must win across the 32 positions a word is split into), widths
+    # that end in a partial word, -inf and NaN in random places
+    for cols in (1, 31, 32, 33, 100, 4096 + 7):
+        y = torch.randint(0, 4, (24, cols), generator=g).float()
+        y[1] = float("-inf")
+        y[2, -1] = float("nan")
+        y[3, ::3] = float("-inf")
+        y[4, cols // 2] = float("inf")
+        assert fused.argmax_rows(y) == y.argmax(-1).tolist(), cols
 
 
 def test_without_a_compiler_the_reference_runs_and_says_so(tmp_path):
