@@ -178,7 +178,8 @@ def test_masked_argmax_is_the_argmax_of_the_masked_row_in_c_and_torch():
     ties by lowest index, a NaN among the allowed tokens winning, NaN and large values outside the mask
     ignored, padded columns past the vocabulary never picked, rows picked out of order, sparse and whole
     words; where the masked argmax would leave the grammar (allowed tokens all -inf) it gives the first
-    allowed token, and -1 where nothing is allowed. The C pass and the torch fallback (a GPU's) agree."""
+    allowed token, and -1 where nothing is allowed. The C pass and the torch fallback (a GPU's) agree, and
+    so do their apply_bitmask (mixed words blended, a last word partly past the vocabulary)."""
     import torch
 
     from kernels import fused
@@ -203,12 +204,18 @@ def test_masked_argmax_is_the_argmax_of_the_masked_row_in_c_and_torch():
             masked = torch.full((cols,), float("-inf"))
             masked[sorted(allowed[r])] = rows[r, sorted(allowed[r])]
             expect.append(min(allowed[r]) if bool(masked.max() == float("-inf")) else int(masked.argmax()))
-        assert fused.masked_argmax(rows, picked, words, vocab) == expect
-        fused.ALLOWED, saved = False, fused.ALLOWED
-        try:
-            assert fused.masked_argmax(rows, picked, words, vocab) == expect
-        finally:
-            fused.ALLOWED = saved
+        masked = rows.clone()
+        for i, r in enumerate(picked):  # what apply_bitmask must write: -inf off the mask and past the vocabulary
+            masked[r, [t for t in range(cols) if t >= vocab or t not in allowed[r]]] = float("-inf")
+        for native in (True, False):
+            fused.ALLOWED, saved = native, fused.ALLOWED
+            try:
+                assert fused.masked_argmax(rows, picked, words, vocab) == expect
+                out = rows.clone()
+                fused.apply_bitmask(out, words, vocab, picked)
+                assert torch.equal(out.nan_to_num(7.0), masked.nan_to_num(7.0))
+            finally:
+                fused.ALLOWED = saved
     tie = torch.tensor([[1.0, 3.0, 2.0, 3.0, 3.0]])
     for native in (True, False):
         fused.ALLOWED, saved = native, fused.ALLOWED

@@ -82,13 +82,14 @@ void tandem_rope_f32(float *x, int64_t row_stride, const float *cos, const float
  * maximum. */
 typedef float mf32x8 __attribute__((vector_size(32)));
 typedef int32_t mi32x8 __attribute__((vector_size(32)));
+static const mi32x8 MASK_LANES = {0, 1, 2, 3, 4, 5, 6, 7};
+static const mf32x8 MASK_NINF = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
 
 static inline __attribute__((always_inline)) int64_t first_max(const float *row, const int32_t *words, int64_t limit,
                                                                 int64_t *first) {
     const int64_t whole = limit / 32; /* words whose 32 tokens are all below the limit */
-    const mi32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7}, none = {-1, -1, -1, -1, -1, -1, -1, -1};
-    const mf32x8 ninf = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    mf32x8 acc[4] = {ninf, ninf, ninf, ninf};
+    const mi32x8 none = {-1, -1, -1, -1, -1, -1, -1, -1};
+    mf32x8 acc[4] = {MASK_NINF, MASK_NINF, MASK_NINF, MASK_NINF};
     mi32x8 at[4] = {none, none, none, none}, nan = {0};
     *first = -1;
     for (int64_t i = 0; i < whole; i++) {
@@ -101,8 +102,8 @@ static inline __attribute__((always_inline)) int64_t first_max(const float *row,
         for (int g = 0; g < 4; g++) {
             mf32x8 v;
             memcpy(&v, row + i * 32 + 8 * g, sizeof v);
-            const mi32x8 keep = ((b >> (lane + 8 * g)) & 1) != 0; /* -1 where allowed */
-            v = (mf32x8)(((mi32x8)v & keep) | ((mi32x8)ninf & ~keep));
+            const mi32x8 keep = ((b >> (MASK_LANES + 8 * g)) & 1) != 0; /* -1 where allowed */
+            v = (mf32x8)(((mi32x8)v & keep) | ((mi32x8)MASK_NINF & ~keep));
             nan |= v != v;
             const mi32x8 gt = v > acc[g]; /* strictly: each position keeps its first maximum */
             acc[g] = (mf32x8)(((mi32x8)v & gt) | ((mi32x8)acc[g] & ~gt));
@@ -162,8 +163,10 @@ void tandem_masked_argmax_f32(const float *x, int64_t row_stride, int64_t cols, 
 
 /* Structured outputs: x[r, t] = -inf for every token t whose bit is clear in row r's llguidance mask
  * (bit b of int32 word w is token 32 w + b) and for the columns past the mask's vocabulary (`vocab`:
- * padded logits rows). In place; `row_ids` (or NULL: 0, 1, ...) names the row of x each mask row is for. torch needs ~6 passes over [rows, vocab] for this (unpack the bits,
- * a bool tensor, masked_fill), and its bool masked_fill alone took 1.2 ms for 16 x 32000 here. */
+ * padded logits rows). In place; `row_ids` (or NULL: 0, 1, ...) names the row of x each mask row is for.
+ * torch needs ~6 passes over [rows, vocab] for this (unpack the bits, a bool tensor, masked_fill), and its
+ * bool masked_fill alone took 1.2 ms for 16 x 32000 here. A word with some tokens allowed is 4 vector
+ * blends (a branch per token made 16 rows of 4096 under a regex allowing ~2/3 of them ~30 us). */
 void tandem_apply_bitmask_f32(float *x, int64_t rows, int64_t cols, int64_t row_stride, const int32_t *words,
                               int64_t n_words, int64_t vocab, const int64_t *row_ids) {
     for (int64_t r = 0; r < rows; r++) {
@@ -176,6 +179,18 @@ void tandem_apply_bitmask_f32(float *x, int64_t rows, int64_t cols, int64_t row_
             int64_t base = i * 32, end = base + 32 < limit ? base + 32 : limit;
             if (bits == 0) {  /* the usual word under a grammar: nothing allowed */
                 for (int64_t t = base; t < end; t++) row[t] = -INFINITY;
+                continue;
+            }
+            if (end - base == 32) { /* a mixed word: its 32 tokens as 4 vectors of 8, blended with -inf */
+                const mi32x8 b = {(int32_t)bits, (int32_t)bits, (int32_t)bits, (int32_t)bits, (int32_t)bits,
+                                  (int32_t)bits, (int32_t)bits, (int32_t)bits};
+                for (int g = 0; g < 4; g++) {
+                    mf32x8 v;
+                    memcpy(&v, row + base + 8 * g, sizeof v);
+                    const mi32x8 keep = ((b >> (MASK_LANES + 8 * g)) & 1) != 0;
+                    v = (mf32x8)(((mi32x8)v & keep) | ((mi32x8)MASK_NINF & ~keep));
+                    memcpy(row + base + 8 * g, &v, sizeof v);
+                }
                 continue;
             }
             for (int64_t t = base; t < end; t++)
