@@ -108,6 +108,19 @@ def test_streaming_deltas_add_up_to_text(llm):
     assert len([d for d in deltas if d]) > 1
 
 
+def test_streamed_outputs_share_one_prompt_list_and_snapshot_their_tokens(llm):
+    """Every output of a request carries the same prompt list (made once, not sliced per step: O(prompt) per
+    running request per step) and its own snapshot of the tokens so far (an earlier output does not grow)."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = list(llm.stream(PROMPTS[0], params))
+    assert len(outs) >= 12
+    assert all(o.prompt_token_ids is outs[0].prompt_token_ids for o in outs)
+    assert outs[0].prompt_token_ids == llm.tokenizer.encode(PROMPTS[0])
+    assert [len(o.token_ids) for o in outs] == sorted(len(o.token_ids) for o in outs)
+    assert len(outs[0].token_ids) < len(outs[-1].token_ids) == 12
+    assert outs[-1].token_ids[:len(outs[0].token_ids)] == outs[0].token_ids
+
+
 def test_multibyte_characters_split_across_tokens_stream_whole(llm):
     from tandem.tokenizer import IncrementalDetokenizer
 

@@ -29,7 +29,7 @@ class Request:
                  "arrival_time", "status", "num_computed_tokens", "block_ids", "block_hashes",
                  "num_cached_tokens", "generator", "spec_token_ids", "finish_reason", "stop_reason",
                  "logprobs", "num_preemptions", "priority", "num_registered_blocks", "kv_peer", "grammar",
-                 "prompt_logprobs", "beam", "_token_array")
+                 "prompt_logprobs", "beam", "_token_array", "_prompt")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: set[int], max_tokens: int, priority: int = 0) -> None:
@@ -58,6 +58,7 @@ class Request:
         self.prompt_logprobs: list[dict[int, float] | None] | None = None  # set by the engine when asked
         self.beam = None  # beam_search.BeamSearch when this is a beam group's root (set by the engine)
         self._token_array: tuple[array.array, list[int]] | None = None  # see token_array()
+        self._prompt: list[int] | None = None  # see prompt_token_ids
 
     def token_array(self) -> array.array:
         """token_ids as an int64 array, kept in step with the list by appending what it lacks (the list
@@ -76,7 +77,11 @@ class Request:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
+        """The prompt, one list made on first use and shared by every output of the request (a slice per
+        step cost O(prompt) per running request per step); callers must not modify it."""
+        if self._prompt is None:
+            self._prompt = self.token_ids[: self.num_prompt_tokens]
+        return self._prompt
 
     @property
     def output_token_ids(self) -> list[int]:
