@@ -162,8 +162,9 @@ def test_batched_masks_equal_single_masks_and_torch_stays_on_the_caller(grammars
     assert threads and set(threads) == {threading.current_thread()}
 
 
-def _words(allowed: list[set[int]], vocab: int) -> "torch.Tensor":
-    """llguidance's bit layout for token sets: int32 words [rows, ceil(vocab / 32)], bit b of word w = token 32 w + b."""
+def _words(allowed: list[set[int]], vocab: int):
+    """llguidance's bit layout for token sets: int32 words [rows, ceil(vocab / 32)], bit b of word w is token
+    32 w + b."""
     import torch
 
     words = [[0] * ((vocab + 31) // 32) for _ in allowed]
@@ -194,9 +195,9 @@ def test_masked_argmax_is_the_argmax_of_the_masked_row_in_c_and_torch():
         if trial % 7 == 0:
             rows[1] = float("-inf")
         dense = trial % 3 == 0  # every token allowed in row 2: whole words, the vector path
+        sizes = torch.randint(1, vocab, (3,), generator=gen).tolist()
         allowed = [set(range(vocab)) if dense and r == 2 else
-                   set(torch.randperm(vocab, generator=gen)[:int(torch.randint(1, vocab, (1,), generator=gen))].tolist())
-                   for r in range(3)]
+                   set(torch.randperm(vocab, generator=gen)[:sizes[r]].tolist()) for r in range(3)]
         picked = [2, 0, 1]
         words = _words([allowed[r] for r in picked], vocab)
         expect = []
