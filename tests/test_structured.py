@@ -249,19 +249,27 @@ def test_greedy_allowed_follows_llguidance_masks(grammars):
 
 def test_a_model_that_fights_its_grammar_gets_masks_first(grammars):
     """Checking after sampling pays off only when the model mostly follows its grammar: after a run
-    of misses a state masks first (probing every PROBE_EVERY steps), and recovers after hits."""
+    of misses a temperature row's state masks first (probing every PROBE_EVERY steps), and recovers after
+    hits. A greedy row is masked before the forward where llguidance has threads (a GPU engine's masks
+    are made while the forward runs) and takes greedy_allowed after it where not (a CPU engine)."""
     from tandem.engine.structured import PROBE_EVERY
     from tandem.sampling_params import SamplingParams
 
-    state, greedy = grammars.state({"regex": "[a-z]+"}), SamplingParams(temperature=0)
-    assert not state.masks_first(greedy) and state.masks_first(SamplingParams(temperature=1.0, top_p=0.9))
+    state, sampled = grammars.state({"regex": "[a-z]+"}), SamplingParams(temperature=1.0)
+    assert not state.masks_first(sampled) and state.masks_first(SamplingParams(temperature=1.0, top_p=0.9))
     for _ in range(10):
         state.record(True)
-    plan = [state.masks_first(greedy) for _ in range(2 * PROBE_EVERY)]
+    plan = [state.masks_first(sampled) for _ in range(2 * PROBE_EVERY)]
     assert plan.count(False) == 2  # masks first, but for one probe in every PROBE_EVERY steps
     for _ in range(10):
         state.record(False)
-    assert not state.masks_first(greedy)
+    assert not state.masks_first(sampled)
+    greedy = SamplingParams(temperature=0, top_p=0.5)  # greedy: the cut does not matter
+    config = json.loads((TARGET / "config.json").read_text())
+    cpu = Grammars((TARGET / "tokenizer.json").read_text(), config["vocab_size"], [config["eos_token_id"]],
+                   threads=False)
+    assert grammars.state({"regex": "[a-z]+"}).masks_first(greedy)
+    assert not cpu.state({"regex": "[a-z]+"}).masks_first(greedy)
 
 
 def test_without_threads_masks_are_the_same_and_no_thread_computes_them(grammars, tokenizer):

@@ -190,8 +190,14 @@ class GrammarState:
         self.steps = 0
 
     def masks_first(self, params: Any) -> bool:
-        """This step's row is masked before sampling (else sampled unmasked and checked: `allows`)."""
+        """This step's row is masked before sampling; else a greedy row takes its masked argmax after the
+        forward (greedy_allowed) and a temperature row is sampled unmasked and checked (`allows`). Where
+        llguidance has its threads (a GPU engine), a greedy row's mask is made by them while the forward
+        runs, not after it on the engine thread one row after another (64 rows of a 128k vocabulary would
+        be milliseconds there)."""
         self.steps += 1
+        if params.greedy:
+            return self.grammars.threads
         return not checks_first(params) or (self.miss_rate > MISS_RATE_LIMIT and self.steps % PROBE_EVERY != 0)
 
     def record(self, missed: bool) -> None:
@@ -250,11 +256,10 @@ class GrammarState:
 
 
 def checks_first(params: Any) -> bool:
-    """Rows not masked before sampling (see ModelRunner._check_grammar): greedy (its masked argmax is one
-    pass after the forward: greedy_allowed), or temperature alone (sampled unmasked and checked). Top-k /
-    top-p / min-p cut the distribution by its own mass, which a mask changes, so those rows are masked
-    before sampling."""
-    return params.greedy or (params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0)
+    """Sampled rows that can be drawn unmasked and checked afterwards (see ModelRunner._check_grammar):
+    temperature alone. Top-k / top-p / min-p cut the distribution by its own mass, which a mask changes,
+    so those rows are masked before sampling."""
+    return params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0
 
 
 def greedy_allowed(rows: torch.Tensor, picked: list[int], states: list[GrammarState]) -> list[int]:
