@@ -117,6 +117,42 @@ def test_fused_layers_in_one_call_are_bitwise_the_module_path(monkeypatch, bf16_
             assert fused_decode.run_layers([*layers[:-1], qwen3], x, rope, meta) is None
 
 
+@pytest.mark.parametrize("bf16_exact", [False, True])
+@pytest.mark.parametrize("b,q", [(1, 1), (2, 4), (8, 1)])
+def test_the_model_body_in_one_call_is_bitwise_the_module_path(monkeypatch, bf16_exact, b, q):
+    """run_model: embeddings, rotary rows, two layers and the final norm in one C call give the module path's
+    hidden states and cache writes bit for bit; an id outside the vocabulary is refused before anything is
+    written (the module path then raises, as it always did)."""
+    from tandem.models.llama import LlamaModel
+
+    raw = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=96,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
+    model = LlamaModel(ModelConfig.from_dict(raw), 64).eval()
+    torch.manual_seed(b * 10 + q)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+            if bf16_exact:
+                p.copy_(p.bfloat16().float())
+    _, _, meta, cache = _step(model.layers[0], b, q, seed=b * q)
+    meta.kv_caches = [cache, torch.randn_like(cache)]
+    ids = torch.randint(0, 100, (b * q,), generator=torch.Generator().manual_seed(q))
+    positions = torch.cat([torch.arange(int(n) - q, int(n)) for n in meta.decode_seq_lens])
+    module_caches = [c.clone() for c in meta.kv_caches]
+    with torch.inference_mode():
+        fused = fused_decode.run_model(model, ids, positions, meta)
+        fused_caches, meta.kv_caches = meta.kv_caches, module_caches
+        with monkeypatch.context() as m:
+            m.setattr(fused_decode, "MAX_ROWS", 0)
+            module = model(ids, positions, meta)
+        assert fused is not None and torch.equal(fused, module)
+        assert all(torch.equal(a, m) for a, m in zip(fused_caches, module_caches))
+        assert not torch.equal(fused, model.norm(model.embed_tokens(ids)))  # the layers really ran
+        written = [c.clone() for c in module_caches]
+        assert fused_decode.run_model(model, torch.full_like(ids, 100), positions, meta) is None
+        assert all(torch.equal(a, w) for a, w in zip(module_caches, written))
+
+
 def test_the_fused_layer_follows_a_written_weight(monkeypatch):
     layer = _layer("LlamaForCausalLM", False, False, seed=1)
     x, rope, meta, cache = _step(layer, 1, 1, seed=1)
@@ -195,10 +231,10 @@ def test_engine_decode_steps_take_the_fused_layer_and_stay_exact(tmp_path, monke
 
     path = make_checkpoint(str(tmp_path / "m"), seed=5)
     taken = []
-    real = fused_decode.run_layers
-    monkeypatch.setattr(fused_decode, "run_layers", lambda *a: taken.append((len(a[0]), r := real(*a))) or r)
+    real = fused_decode.run_model
+    monkeypatch.setattr(fused_decode, "run_model", lambda *a: taken.append((len(a[0].layers), r := real(*a))) or r)
     prompts = [[5, 9, 33, 7, 81, 2, 44], [17, 3, 3, 90, 12]]
     llm = LLM(path, max_model_len=128)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 12)
-    assert sum(n == 2 and r is not None for n, r in taken) >= 11  # every decode step, both layers in one call
+    assert sum(n == 2 and r is not None for n, r in taken) >= 11  # every decode step: the whole body in one call

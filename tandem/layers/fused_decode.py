@@ -18,7 +18,9 @@ stream evicts the code and data it uses; one call for the model made batch-1 dec
 1.17-1.20x faster (the 55M Llama, bound by its weights: 1.03x; docs/PERFORMANCE.md, session 28). What that
 call needs (the layers' C arrays) is kept on the model's layer list and checked as a whole each step (_stack):
 asking each layer for its plan cost 59 us of Python a step against 19, and batch-1 decode of the shipped
-model 1.08-1.15x (session 31).
+model 1.08-1.15x (session 31). `run_model` (LlamaModel takes it first) does the same for the whole body:
+the rows' embeddings and rotary rows gathered in C, the layers, and the final norm (session 33: batch-1 decode
+of the shipped model 1.08x, the 55M Llama 1.01-1.04x).
 """
 
 from __future__ import annotations
@@ -120,35 +122,80 @@ def run(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta) -
     return run_layers([layer], x, rope, meta)
 
 
-def run_layers(layers, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor | None:
-    """The output of `layers` applied in turn to x, in one C call; None where the fused call does not apply to
-    every one of them (the caller then runs the module path from the first layer)."""
-    t, lib = x.shape[0], native_cpu.library()
+def _prepared(layers, t: int, meta) -> tuple | None:
+    """(library, the layers' _Stack, block tables, lengths) for a step of t decode rows through `layers`; None
+    where the fused call does not apply to the step or to one of the layers."""
+    lib = native_cpu.library()
     if (not layers or not 0 < t <= MAX_ROWS or meta.num_decode_tokens != t or meta.layer_hook is not None
             or meta.kv_scales is not None or meta.ops.name != "native" or not fused.ALLOWED or lib is None):
         return None
     stack = _stack(layers, meta.kv_caches)
-    if stack is None or t > stack.max_rows:
-        return None
-    cos, sin = rope
-    slots, head_dim = meta.slot_mapping, stack.head_dim
-    if (x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or cos.shape != (t, 1, head_dim)
-            or not cos.is_contiguous() or not sin.is_contiguous() or cos.dtype != torch.float32
-            or slots.dtype != torch.int64 or not slots.is_contiguous()
+    slots = meta.slot_mapping
+    if (stack is None or t > stack.max_rows or slots.dtype != torch.int64 or not slots.is_contiguous()
             or (torch.is_grad_enabled() and layers[0].self_attn.qkv_proj.weight.requires_grad)):
         return None
     num_blocks, block_size = stack.num_blocks, stack.block_size
     for window in stack.windows:  # blocks every layer reads are in the cache
         tables, lens = native_cpu._checked(meta.decode_block_tables, meta.decode_seq_lens, meta.decode_query_len,
                                            num_blocks, block_size, window)
+    return lib, stack, tables, lens
+
+
+def run_layers(layers, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor | None:
+    """The output of `layers` applied in turn to x, in one C call; None where the fused call does not apply to
+    every one of them (the caller then runs the module path from the first layer)."""
+    t = x.shape[0]
+    prepared = _prepared(layers, t, meta)
+    if prepared is None:
+        return None
+    lib, stack, tables, lens = prepared
+    cos, sin = rope
+    if (x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or cos.shape != (t, 1, stack.head_dim)
+            or not cos.is_contiguous() or not sin.is_contiguous() or cos.dtype != torch.float32):
+        return None
     out = torch.empty_like(x)
     tmp = torch.empty_like(x) if len(layers) > 1 else None
     structs, caches, scratch = stack.arrays
     rc = lib.tandem_decode_layers_f32(
         structs, len(layers), caches, scratch, x.data_ptr(), out.data_ptr(), None if tmp is None else tmp.data_ptr(),
-        t, cos.data_ptr(), sin.data_ptr(), num_blocks * block_size, block_size, slots.data_ptr(), tables.data_ptr(),
-        tables.stride(0), lens.data_ptr(), meta.num_decode_seqs, meta.decode_query_len, torch.get_num_threads())
+        t, cos.data_ptr(), sin.data_ptr(), stack.num_blocks * stack.block_size, stack.block_size,
+        meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), meta.num_decode_seqs,
+        meta.decode_query_len, torch.get_num_threads())
     return out if rc == 0 else None  # a refusal (a slot outside the cache, say): the module path decides
+
+
+def _table_ok(t: torch.Tensor, width: int) -> bool:
+    return t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() and t.dim() == 2 and t.shape[1] == width
+
+
+def run_model(model, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor | None:
+    """A Llama body's output for a small decode step (the final norm of its layers applied to the rows'
+    embeddings), in one C call that also gathers the embeddings and rotary rows and applies the final norm;
+    None where it does not apply (the caller runs embedding, rotary lookup and run_layers). Why: after the
+    layers' weight streams, those three torch ops ran with the interpreter's code and data evicted, ~40-150 us
+    each (the 55M Llama's batch-1 step ~0.3 ms of ~10, the shipped model's ~0.14 of ~1.1; session 33)."""
+    t = input_ids.shape[0]
+    prepared = _prepared(model.layers, t, meta)
+    if prepared is None:
+        return None
+    lib, stack, tables, lens = prepared
+    embed, norm, cos, sin = model.embed_tokens.weight, model.norm.weight, model.rotary.cos, model.rotary.sin
+    hidden, d = embed.shape[1], stack.head_dim
+    if (not _table_ok(embed, hidden) or not _table_ok(cos, d) or not _table_ok(sin, d) or cos.shape != sin.shape
+            or norm.shape != (hidden,) or not _table_ok(norm.view(1, -1), hidden)
+            or input_ids.dtype != torch.int64 or positions.dtype != torch.int64 or positions.shape != (t,)
+            or not input_ids.is_contiguous() or not positions.is_contiguous()):
+        return None
+    buf = torch.empty(t * (4 * hidden + 2 * d))  # normed (returned), the layers' two buffers, embeddings + rope
+    ptr, row = buf.data_ptr(), t * hidden * 4
+    structs, caches, scratch = stack.arrays
+    rc = lib.tandem_decode_model_f32(
+        structs, len(model.layers), caches, scratch, embed.data_ptr(), embed.shape[0], input_ids.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), cos.shape[0], positions.data_ptr(), ptr + 3 * row, ptr + row, ptr + 2 * row,
+        t, stack.num_blocks * stack.block_size, stack.block_size, meta.slot_mapping.data_ptr(), tables.data_ptr(),
+        tables.stride(0), lens.data_ptr(), meta.num_decode_seqs, meta.decode_query_len, norm.data_ptr(),
+        model.norm.eps, ptr, torch.get_num_threads())
+    return buf[:t * hidden].view(t, hidden) if rc == 0 else None
 
 
 @dataclass

@@ -64,9 +64,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if len(input_ids) <= fused_decode.MAX_ROWS and meta.out_rows is None:  # a small decode step: one C call
+            out = fused_decode.run_model(self, input_ids, positions, meta)
+            if out is not None:
+                return out
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
-        if len(x) <= fused_decode.MAX_ROWS and meta.out_rows is None:  # a small decode step: all layers in one C call
+        if len(x) <= fused_decode.MAX_ROWS and meta.out_rows is None:  # the layers in one C call, if run_model refused
             out = fused_decode.run_layers(self.layers, x, rope, meta)
             if out is not None:
                 return self.norm(out)
