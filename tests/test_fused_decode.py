@@ -120,17 +120,20 @@ def test_fused_layers_in_one_call_are_bitwise_the_module_path(monkeypatch, bf16_
 @pytest.mark.parametrize("bf16_exact", [False, True])
 @pytest.mark.parametrize("b,q", [(1, 1), (2, 4), (8, 1)])
 def test_the_model_body_in_one_call_is_bitwise_the_module_path(monkeypatch, bf16_exact, b, q):
-    """run_model: embeddings, rotary rows, two layers and the final norm in one C call give the module path's
-    hidden states and cache writes bit for bit; an id outside the vocabulary is refused before anything is
-    written (the module path then raises, as it always did)."""
-    from tandem.models.llama import LlamaModel
+    """run_model: embeddings, rotary rows, two layers, the final norm and the lm_head in one C call give the
+    module path's hidden states, logits and cache writes bit for bit (and the model's forward hands those logits
+    to compute_logits of the tensor it returned, once); an id outside the vocabulary is refused before anything
+    is written (the module path then raises, as it always did)."""
+    from tandem.models.llama import LlamaForCausalLM
 
     raw = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=96,
-               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
-    model = LlamaModel(ModelConfig.from_dict(raw), 64).eval()
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+               tie_word_embeddings=bf16_exact)
+    lm = LlamaForCausalLM(ModelConfig.from_dict(raw), 64).eval()
+    model = lm.model
     torch.manual_seed(b * 10 + q)
     with torch.no_grad():
-        for p in model.parameters():
+        for p in lm.parameters():
             p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
             if bf16_exact:
                 p.copy_(p.bfloat16().float())
@@ -140,17 +143,23 @@ def test_the_model_body_in_one_call_is_bitwise_the_module_path(monkeypatch, bf16
     positions = torch.cat([torch.arange(int(n) - q, int(n)) for n in meta.decode_seq_lens])
     module_caches = [c.clone() for c in meta.kv_caches]
     with torch.inference_mode():
-        fused = fused_decode.run_model(model, ids, positions, meta)
+        fused = fused_decode.run_model(model, ids, positions, meta, lm.lm_head)
         fused_caches, meta.kv_caches = meta.kv_caches, module_caches
         with monkeypatch.context() as m:
             m.setattr(fused_decode, "MAX_ROWS", 0)
             module = model(ids, positions, meta)
-        assert fused is not None and torch.equal(fused, module)
+        assert fused is not None and fused[1] is not None
+        assert torch.equal(fused[0], module) and torch.equal(fused[1], lm.lm_head(module))
         assert all(torch.equal(a, m) for a, m in zip(fused_caches, module_caches))
-        assert not torch.equal(fused, model.norm(model.embed_tokens(ids)))  # the layers really ran
+        assert not torch.equal(fused[0], model.norm(model.embed_tokens(ids)))  # the layers really ran
         written = [c.clone() for c in module_caches]
         assert fused_decode.run_model(model, torch.full_like(ids, 100), positions, meta) is None
         assert all(torch.equal(a, w) for a, w in zip(module_caches, written))
+        meta.kv_caches = [c.clone() for c in written]
+        hidden = lm(ids, positions, meta)  # the model's own forward takes it, logits kept for this tensor once
+        assert lm._fused_logits is not None and lm._fused_logits[0] is hidden
+        assert torch.equal(lm.compute_logits(hidden), lm.lm_head(hidden)) and lm._fused_logits is None
+        assert torch.equal(lm.compute_logits(hidden[:1]), lm.lm_head(hidden[:1]))
 
 
 def test_the_fused_layer_follows_a_written_weight(monkeypatch):

@@ -101,9 +101,10 @@ int tandem_decode_layers_f32(const tandem_layer_t *layers, int32_t n_layers, flo
 
 /* A small decode step's whole model body in one call: each row's embedding (ids into embed [vocab, hidden]) and
  * rotary rows (positions into cos_tab / sin_tab [max_pos, D]) gathered into work [T * (hidden + 2 D)], the
- * decoder layers (tandem_decode_layers_f32, into x_out via x_tmp), then the final RMSNorm of x_out into normed.
+ * decoder layers (tandem_decode_layers_f32, into x_out via x_tmp), the final RMSNorm of x_out into normed and,
+ * given a head (the lm_head's plan; NULL: none), every row's logits from normed.
  * Why: after the layers' weight streams have evicted the interpreter's code and data, the embedding lookup,
- * the rotary rows and the final norm cost ~40-150 us each from Python (the 55M Llama's batch-1 step, 0.3 ms of
+ * the rotary rows, the final norm and the lm_head's call cost ~40-150 us each from Python (the 55M Llama's batch-1 step, 0.3 ms of
  * ~10; the shipped model's, 0.14 of ~1.1; docs/PERFORMANCE.md, session 33) where here they are copies and one
  * norm. The same copies and kernel as the module path: bitwise its result. Returns -4 for an id or a position
  * outside its table (before anything is written), else tandem_decode_layers_f32's code. */
@@ -113,7 +114,7 @@ int tandem_decode_model_f32(const tandem_layer_t *layers, int32_t n_layers, floa
                             float *work, float *x_out, float *x_tmp, int64_t T, int64_t num_slots, int32_t BS,
                             const int64_t *slots, const int32_t *tables, int64_t table_stride,
                             const int32_t *seq_lens, int32_t B, int32_t Q, const float *norm, float eps,
-                            float *normed, int num_threads) {
+                            float *normed, const tandem_linear_t *head, float *logits, int num_threads) {
     const int64_t hidden = layers[0].o.out_features, D = layers[0].head_dim;
     float *x = work, *cos = x + T * hidden, *sin = cos + T * D;
     for (int64_t t = 0; t < T; t++) {
@@ -126,5 +127,5 @@ int tandem_decode_model_f32(const tandem_layer_t *layers, int32_t n_layers, floa
                                             num_slots, BS, slots, tables, table_stride, seq_lens, B, Q, num_threads);
     if (rc) return rc;
     tandem_add_rms_norm_f32(x_out, 0, x_out, norm, normed, T, hidden, eps, num_threads);
-    return 0;
+    return head && tandem_run_linear(head, normed, logits, T, num_threads) ? -1 : 0;
 }

@@ -18,9 +18,9 @@ stream evicts the code and data it uses; one call for the model made batch-1 dec
 1.17-1.20x faster (the 55M Llama, bound by its weights: 1.03x; docs/PERFORMANCE.md, session 28). What that
 call needs (the layers' C arrays) is kept on the model's layer list and checked as a whole each step (_stack):
 asking each layer for its plan cost 59 us of Python a step against 19, and batch-1 decode of the shipped
-model 1.08-1.15x (session 31). `run_model` (LlamaModel takes it first) does the same for the whole body:
-the rows' embeddings and rotary rows gathered in C, the layers, and the final norm (session 33: batch-1 decode
-of the shipped model 1.08x, the 55M Llama 1.01-1.04x).
+model 1.08-1.15x (session 31). `run_model` (LlamaForCausalLM takes it first) does the same for the whole
+body and the lm_head: the rows' embeddings and rotary rows gathered in C, the layers, the final norm and the
+logits (session 33).
 """
 
 from __future__ import annotations
@@ -168,12 +168,15 @@ def _table_ok(t: torch.Tensor, width: int) -> bool:
     return t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() and t.dim() == 2 and t.shape[1] == width
 
 
-def run_model(model, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor | None:
-    """A Llama body's output for a small decode step (the final norm of its layers applied to the rows'
-    embeddings), in one C call that also gathers the embeddings and rotary rows and applies the final norm;
-    None where it does not apply (the caller runs embedding, rotary lookup and run_layers). Why: after the
-    layers' weight streams, those three torch ops ran with the interpreter's code and data evicted, ~40-150 us
-    each (the 55M Llama's batch-1 step ~0.3 ms of ~10, the shipped model's ~0.14 of ~1.1; session 33)."""
+def run_model(model, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+              lm_head=None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(A Llama body's output for a small decode step — the final norm of its layers applied to the rows'
+    embeddings — and, given its `lm_head`, every row's logits, else None), in one C call that also gathers the
+    embeddings and rotary rows; None where it does not apply (the caller runs embedding, rotary lookup and
+    run_layers). Why: after the layers' weight streams, those torch ops and the lm_head's call ran with the
+    interpreter's code and data evicted, ~40-150 us each (the 55M Llama's batch-1 step ~0.3 ms of ~10, the
+    shipped model's ~0.2 of ~1.1; session 33). Logits only where the lm_head's own call would take the same
+    C kernel (its small-batch plan covers the rows): bitwise what it returns."""
     t = input_ids.shape[0]
     prepared = _prepared(model.layers, t, meta)
     if prepared is None:
@@ -186,7 +189,9 @@ def run_model(model, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> 
             or input_ids.dtype != torch.int64 or positions.dtype != torch.int64 or positions.shape != (t,)
             or not input_ids.is_contiguous() or not positions.is_contiguous()):
         return None
+    head = None if lm_head is None else _head_plan(lm_head, t, hidden)
     buf = torch.empty(t * (4 * hidden + 2 * d))  # normed (returned), the layers' two buffers, embeddings + rope
+    logits = None if head is None else torch.empty((t, lm_head.weight.shape[0]))
     ptr, row = buf.data_ptr(), t * hidden * 4
     structs, caches, scratch = stack.arrays
     rc = lib.tandem_decode_model_f32(
@@ -194,8 +199,20 @@ def run_model(model, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> 
         cos.data_ptr(), sin.data_ptr(), cos.shape[0], positions.data_ptr(), ptr + 3 * row, ptr + row, ptr + 2 * row,
         t, stack.num_blocks * stack.block_size, stack.block_size, meta.slot_mapping.data_ptr(), tables.data_ptr(),
         tables.stride(0), lens.data_ptr(), meta.num_decode_seqs, meta.decode_query_len, norm.data_ptr(),
-        model.norm.eps, ptr, torch.get_num_threads())
-    return buf[:t * hidden].view(t, hidden) if rc == 0 else None
+        model.norm.eps, ptr, head, None if logits is None else logits.data_ptr(), torch.get_num_threads())
+    return (buf[:t * hidden].view(t, hidden), logits) if rc == 0 else None
+
+
+def _head_plan(lm_head, t: int, hidden: int):
+    """The lm_head's plan as a C struct (kept on the module while its plan stays the same), where its own call
+    of t rows would take that kernel; else None."""
+    plan = lm_head.small_batch_plan()
+    if plan is None or t > (SMALL_BATCH_BF16 if plan[3] else SMALL_BATCH) or lm_head.weight.shape[1] != hidden:
+        return None
+    kept = lm_head.__dict__.get("_fused_head")
+    if kept is None or kept[0] is not plan:
+        kept = lm_head.__dict__["_fused_head"] = (plan, ctypes.byref(_linear_plan(lm_head, plan)))
+    return kept[1]
 
 
 @dataclass

@@ -64,13 +64,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if len(input_ids) <= fused_decode.MAX_ROWS and meta.out_rows is None:  # a small decode step: one C call
-            out = fused_decode.run_model(self, input_ids, positions, meta)
-            if out is not None:
-                return out
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
-        if len(x) <= fused_decode.MAX_ROWS and meta.out_rows is None:  # the layers in one C call, if run_model refused
+        if len(x) <= fused_decode.MAX_ROWS and meta.out_rows is None:  # a small decode step: all layers in one C call
             out = fused_decode.run_layers(self.layers, x, rope, meta)
             if out is not None:
                 return self.norm(out)
@@ -88,10 +84,25 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._fused_logits: tuple[torch.Tensor, torch.Tensor] | None = None  # see forward
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Returns final hidden states [T, hidden]; call `compute_logits` on the rows you sample from."""
+        """Returns final hidden states [T, hidden]; call `compute_logits` on the rows you sample from. A small
+        decode step runs body and lm_head in one C call (fused_decode.run_model): its logits are kept for the
+        compute_logits of the very tensor returned."""
+        self._fused_logits = None
+        if len(input_ids) <= fused_decode.MAX_ROWS and meta.out_rows is None:
+            fused = fused_decode.run_model(self.model, input_ids, positions, meta, self.lm_head)
+            if fused is not None:
+                hidden, logits = fused
+                if logits is not None:
+                    self._fused_logits = (hidden, logits)
+                return hidden
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        held = self._fused_logits
+        if held is not None and held[0] is hidden:
+            self._fused_logits = None  # taken once: not kept alive past the step
+            return held[1]
         return self.lm_head(hidden).float()
