@@ -154,7 +154,23 @@ def test_the_model_body_in_one_call_is_bitwise_the_module_path(monkeypatch, bf16
         assert not torch.equal(fused[0], model.norm(model.embed_tokens(ids)))  # the layers really ran
         written = [c.clone() for c in module_caches]
         assert fused_decode.run_model(model, torch.full_like(ids, 100), positions, meta) is None
+        tables = meta.decode_block_tables
+        meta.decode_block_tables = tables.clone()
+        meta.decode_block_tables[-1, (int(meta.decode_seq_lens[-1]) - 1) // BS] = NUM_BLOCKS  # a block it reads
+        assert fused_decode.run_model(model, ids, positions, meta) is None
+        meta.decode_block_tables = tables
         assert all(torch.equal(a, w) for a, w in zip(module_caches, written))
+        with torch.no_grad():
+            model.norm.weight.mul_(2)  # written in place: the kept body follows it
+        meta.kv_caches = [c.clone() for c in written]
+        doubled = fused_decode.run_model(model, ids, positions, meta, lm.lm_head)
+        meta.kv_caches = [c.clone() for c in written]
+        with monkeypatch.context() as m:
+            m.setattr(fused_decode, "MAX_ROWS", 0)
+            again = model(ids, positions, meta)
+        assert doubled is not None and torch.equal(doubled[0], again) and not torch.equal(again, fused[0])
+        with torch.no_grad():
+            model.norm.weight.div_(2)
         meta.kv_caches = [c.clone() for c in written]
         hidden = lm(ids, positions, meta)  # the model's own forward takes it, logits kept for this tensor once
         assert lm._fused_logits is not None and lm._fused_logits[0] is hidden

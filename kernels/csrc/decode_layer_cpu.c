@@ -100,22 +100,35 @@ int tandem_decode_layers_f32(const tandem_layer_t *layers, int32_t n_layers, flo
 }
 
 /* A small decode step's whole model body in one call: each row's embedding (ids into embed [vocab, hidden]) and
- * rotary rows (positions into cos_tab / sin_tab [max_pos, D]) gathered into work [T * (hidden + 2 D)], the
- * decoder layers (tandem_decode_layers_f32, into x_out via x_tmp), the final RMSNorm of x_out into normed and,
- * given a head (the lm_head's plan; NULL: none), every row's logits from normed.
- * Why: after the layers' weight streams have evicted the interpreter's code and data, the embedding lookup,
- * the rotary rows, the final norm and the lm_head's call cost ~40-150 us each from Python (the 55M Llama's batch-1 step, 0.3 ms of
- * ~10; the shipped model's, 0.14 of ~1.1; docs/PERFORMANCE.md, session 33) where here they are copies and one
- * norm. The same copies and kernel as the module path: bitwise its result. Returns -4 for an id or a position
- * outside its table (before anything is written), else tandem_decode_layers_f32's code. */
+ * rotary rows (positions into cos_tab / sin_tab [max_pos, D]) gathered into work [MAX_ROWS * (hidden + 2 D)],
+ * the decoder layers (tandem_decode_layers_f32, into x_out via x_tmp), the final RMSNorm of x_out into normed
+ * and, given a head (the lm_head's plan; NULL: none), every row's logits from normed. The block tables are
+ * checked here, not in Python: every block a layer reads (window 0: every block below the length; else the
+ * largest window of the layers) must be in the cache.
+ * Why: after the layers' weight streams have evicted the interpreter's code and data, the embedding lookup, the
+ * rotary rows, the final norm, the lm_head's call and the table check cost ~20-150 us each from Python (the
+ * 55M Llama's batch-1 step ~0.5 ms of ~10; the shipped model's ~0.2 of ~1.1; docs/PERFORMANCE.md, session 33)
+ * where here they are copies, a loop and one norm. The same copies and kernels as the module path: bitwise
+ * its result. The arguments up to check_window are the model's (fused_decode keeps them), the rest the step's.
+ * Returns -4 for an id, a position, a length or a block outside its table (before anything is written), else
+ * tandem_decode_layers_f32's code. */
 int tandem_decode_model_f32(const tandem_layer_t *layers, int32_t n_layers, float *const *caches,
-                            float *const *scratch, const float *embed, int64_t vocab, const int64_t *ids,
-                            const float *cos_tab, const float *sin_tab, int64_t max_pos, const int64_t *positions,
-                            float *work, float *x_out, float *x_tmp, int64_t T, int64_t num_slots, int32_t BS,
-                            const int64_t *slots, const int32_t *tables, int64_t table_stride,
-                            const int32_t *seq_lens, int32_t B, int32_t Q, const float *norm, float eps,
-                            float *normed, const tandem_linear_t *head, float *logits, int num_threads) {
+                            float *const *scratch, const float *embed, int64_t vocab, const float *cos_tab,
+                            const float *sin_tab, int64_t max_pos, const float *norm, float eps,
+                            const tandem_linear_t *head, float *work, float *x_out, float *x_tmp, int64_t num_blocks,
+                            int32_t BS, int32_t check_window, const int64_t *ids, const int64_t *positions,
+                            int64_t T, const int64_t *slots, const int32_t *tables, int64_t table_stride,
+                            int64_t table_width, const int32_t *seq_lens, int32_t B, int32_t Q, float *normed,
+                            float *logits, int num_threads) {
     const int64_t hidden = layers[0].o.out_features, D = layers[0].head_dim;
+    for (int32_t b = 0; b < B; b++) {
+        const int64_t len = seq_lens[b], behind = check_window > 0 ? len - Q - check_window + 1 : 0;
+        if (len < Q || len > table_width * BS) return -4;
+        for (int64_t j = 0; j * BS < len; j++) {
+            const int32_t id = tables[b * table_stride + j];
+            if ((j + 1) * BS > behind && (id < 0 || id >= num_blocks)) return -4; /* read, and not in the cache */
+        }
+    }
     float *x = work, *cos = x + T * hidden, *sin = cos + T * D;
     for (int64_t t = 0; t < T; t++) {
         if (ids[t] < 0 || ids[t] >= vocab || positions[t] < 0 || positions[t] >= max_pos) return -4;
@@ -124,7 +137,8 @@ int tandem_decode_model_f32(const tandem_layer_t *layers, int32_t n_layers, floa
         memcpy(sin + t * D, sin_tab + positions[t] * D, sizeof(float) * D);
     }
     const int rc = tandem_decode_layers_f32(layers, n_layers, caches, scratch, x, x_out, x_tmp, T, cos, sin,
-                                            num_slots, BS, slots, tables, table_stride, seq_lens, B, Q, num_threads);
+                                            num_blocks * BS, BS, slots, tables, table_stride, seq_lens, B, Q,
+                                            num_threads);
     if (rc) return rc;
     tandem_add_rms_norm_f32(x_out, 0, x_out, norm, normed, T, hidden, eps, num_threads);
     return head && tandem_run_linear(head, normed, logits, T, num_threads) ? -1 : 0;

@@ -164,55 +164,91 @@ def run_layers(layers, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
     return out if rc == 0 else None  # a refusal (a slot outside the cache, say): the module path decides
 
 
-def _table_ok(t: torch.Tensor, width: int) -> bool:
-    return t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() and t.dim() == 2 and t.shape[1] == width
-
-
 def run_model(model, input_ids: torch.Tensor, positions: torch.Tensor, meta,
               lm_head=None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(A Llama body's output for a small decode step — the final norm of its layers applied to the rows'
     embeddings — and, given its `lm_head`, every row's logits, else None), in one C call that also gathers the
-    embeddings and rotary rows; None where it does not apply (the caller runs embedding, rotary lookup and
-    run_layers). Why: after the layers' weight streams, those torch ops and the lm_head's call ran with the
-    interpreter's code and data evicted, ~40-150 us each (the 55M Llama's batch-1 step ~0.3 ms of ~10, the
-    shipped model's ~0.2 of ~1.1; session 33). Logits only where the lm_head's own call would take the same
-    C kernel (its small-batch plan covers the rows): bitwise what it returns."""
-    t = input_ids.shape[0]
-    prepared = _prepared(model.layers, t, meta)
-    if prepared is None:
+    embeddings and rotary rows and checks the block tables; None where it does not apply (the caller runs
+    embedding, rotary lookup and run_layers). Why: after the layers' weight streams, those torch ops, the
+    lm_head's call and the checks ran with the interpreter's code and data evicted, ~20-150 us each (session 33).
+    What the call needs from the model is kept (_body). Logits only where the lm_head's own call would take
+    the same C kernel (its small-batch plan covers the rows): bitwise what it returns."""
+    t, lib = input_ids.shape[0], native_cpu.library()
+    if (not 0 < t <= MAX_ROWS or meta.num_decode_tokens != t or meta.layer_hook is not None
+            or meta.kv_scales is not None or meta.ops.name != "native" or not fused.ALLOWED or lib is None):
         return None
-    lib, stack, tables, lens = prepared
-    embed, norm, cos, sin = model.embed_tokens.weight, model.norm.weight, model.rotary.cos, model.rotary.sin
-    hidden, d = embed.shape[1], stack.head_dim
-    if (not _table_ok(embed, hidden) or not _table_ok(cos, d) or not _table_ok(sin, d) or cos.shape != sin.shape
-            or norm.shape != (hidden,) or not _table_ok(norm.view(1, -1), hidden)
+    stack = _stack(model.layers, meta.kv_caches)
+    body = None if stack is None or t > stack.max_rows else _body(model, stack, lm_head)
+    slots, tables, lens = meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens
+    if (body is None or slots.dtype != torch.int64 or tables.dtype != torch.int32 or lens.dtype != torch.int32
             or input_ids.dtype != torch.int64 or positions.dtype != torch.int64 or positions.shape != (t,)
-            or not input_ids.is_contiguous() or not positions.is_contiguous()):
+            or not (slots.is_contiguous() and tables.is_contiguous() and lens.is_contiguous()
+                    and input_ids.is_contiguous() and positions.is_contiguous())
+            or (torch.is_grad_enabled() and body.embed.requires_grad)):
         return None
-    head = None if lm_head is None else _head_plan(lm_head, t, hidden)
-    buf = torch.empty(t * (4 * hidden + 2 * d))  # normed (returned), the layers' two buffers, embeddings + rope
-    logits = None if head is None else torch.empty((t, lm_head.weight.shape[0]))
-    ptr, row = buf.data_ptr(), t * hidden * 4
-    structs, caches, scratch = stack.arrays
+    out = torch.empty((t, body.hidden))
+    logits = torch.empty((t, body.vocab)) if body.head is not None and t <= body.head_rows else None
     rc = lib.tandem_decode_model_f32(
-        structs, len(model.layers), caches, scratch, embed.data_ptr(), embed.shape[0], input_ids.data_ptr(),
-        cos.data_ptr(), sin.data_ptr(), cos.shape[0], positions.data_ptr(), ptr + 3 * row, ptr + row, ptr + 2 * row,
-        t, stack.num_blocks * stack.block_size, stack.block_size, meta.slot_mapping.data_ptr(), tables.data_ptr(),
-        tables.stride(0), lens.data_ptr(), meta.num_decode_seqs, meta.decode_query_len, norm.data_ptr(),
-        model.norm.eps, ptr, head, None if logits is None else logits.data_ptr(), torch.get_num_threads())
-    return (buf[:t * hidden].view(t, hidden), logits) if rc == 0 else None
+        *body.args, None if logits is None else body.head, *body.buffers, input_ids.data_ptr(), positions.data_ptr(),
+        t, slots.data_ptr(), tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(),
+        meta.num_decode_seqs, meta.decode_query_len, out.data_ptr(), None if logits is None else logits.data_ptr(),
+        torch.get_num_threads())
+    return (out, logits) if rc == 0 else None
 
 
-def _head_plan(lm_head, t: int, hidden: int):
-    """The lm_head's plan as a C struct (kept on the module while its plan stays the same), where its own call
-    of t rows would take that kernel; else None."""
-    plan = lm_head.small_batch_plan()
-    if plan is None or t > (SMALL_BATCH_BF16 if plan[3] else SMALL_BATCH) or lm_head.weight.shape[1] != hidden:
+@dataclass
+class _Body:
+    """What run_model's call takes from a model, kept on it while the layer stack, the embedding, norm and rotary
+    tensors (identity and version) and the lm_head's plan stay the same."""
+
+    stack: _Stack
+    tensors: tuple  # embedding, final norm weight, rotary cos and sin (kept: their ids stay theirs)
+    versions: tuple
+    plan: tuple | None  # the lm_head's plan the head struct was made from
+    embed: torch.Tensor
+    hidden: int
+    vocab: int  # the lm_head's outputs
+    head: object  # the lm_head's plan as a C struct (byref), or None
+    head_rows: int  # rows up to which the lm_head's own call takes that plan
+    args: tuple  # the call's leading arguments, up to the head
+    buffers: tuple  # work, x_out, x_tmp addresses and the model's constants after the head
+    scratch: torch.Tensor
+
+
+def _body(model, stack: _Stack, lm_head) -> _Body | None:
+    """The model's _Body (made again when anything it was made from changed), or None where the call does not
+    apply: an embedding, norm or rotary table that is not a contiguous fp32 CPU tensor of the layers' sizes.
+    Read through the modules' own dicts: nn.Module's attribute lookup cost ~5 us each inside a step."""
+    mods = model._modules
+    rotary = mods["rotary"]._buffers
+    tensors = (mods["embed_tokens"]._parameters["weight"], mods["norm"]._parameters["weight"], rotary["cos"],
+               rotary["sin"])
+    plan = None if lm_head is None else lm_head.small_batch_plan()
+    held = model.__dict__.get("_fused_body")
+    if (held is not None and held.stack is stack and held.plan is plan and all(map(operator.is_, tensors, held.tensors))
+            and _versions(tensors) == held.versions):
+        return held
+    embed, norm, cos, sin = tensors
+    hidden, d = embed.shape[-1], stack.head_dim
+    if not (all(x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() for x in tensors) and embed.dim() == 2
+            and norm.shape == (hidden,) and cos.dim() == 2 and cos.shape == sin.shape and cos.shape[1] == d):
         return None
-    kept = lm_head.__dict__.get("_fused_head")
-    if kept is None or kept[0] is not plan:
-        kept = lm_head.__dict__["_fused_head"] = (plan, ctypes.byref(_linear_plan(lm_head, plan)))
-    return kept[1]
+    head, head_rows, vocab = None, 0, 0
+    if plan is not None and lm_head.weight.shape[1] == hidden:
+        head, head_rows, vocab = ctypes.byref(_linear_plan(lm_head, plan)), SMALL_BATCH_BF16 if plan[3] else \
+            SMALL_BATCH, lm_head.weight.shape[0]
+    scratch = torch.empty(MAX_ROWS * (3 * hidden + 2 * d))
+    address, step = scratch.data_ptr(), MAX_ROWS * hidden * 4
+    structs, caches, layer_scratch = stack.arrays
+    windows = [w or 0 for w in stack.windows]
+    args = (structs, len(model.layers), caches, layer_scratch, embed.data_ptr(), embed.shape[0], cos.data_ptr(),
+            sin.data_ptr(), cos.shape[0], norm.data_ptr(), model.norm.eps)
+    buffers = (address + 2 * step, address, address + step, stack.num_blocks, stack.block_size,
+               0 if 0 in windows else max(windows))  # the widest window reads the most blocks
+    body = _Body(stack, tensors, _versions(tensors), plan, embed, hidden, vocab, head, head_rows, args, buffers,
+                 scratch)
+    model._fused_body = body
+    return body
 
 
 @dataclass
