@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import NATIVE_CPU_OPS, native_cpu
-from tandem.layers import fused_decode
+from tandem.layers import fused_decode, fused_model
 from tandem.layers.attention import AttentionMetadata
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.config import ModelConfig
@@ -143,7 +143,7 @@ def test_the_model_body_in_one_call_is_bitwise_the_module_path(monkeypatch, bf16
     positions = torch.cat([torch.arange(int(n) - q, int(n)) for n in meta.decode_seq_lens])
     module_caches = [c.clone() for c in meta.kv_caches]
     with torch.inference_mode():
-        fused = fused_decode.run_model(model, ids, positions, meta, lm.lm_head)
+        fused = fused_model.run_model(model, ids, positions, meta, lm.lm_head)
         fused_caches, meta.kv_caches = meta.kv_caches, module_caches
         with monkeypatch.context() as m:
             m.setattr(fused_decode, "MAX_ROWS", 0)
@@ -153,17 +153,17 @@ def test_the_model_body_in_one_call_is_bitwise_the_module_path(monkeypatch, bf16
         assert all(torch.equal(a, m) for a, m in zip(fused_caches, module_caches))
         assert not torch.equal(fused[0], model.norm(model.embed_tokens(ids)))  # the layers really ran
         written = [c.clone() for c in module_caches]
-        assert fused_decode.run_model(model, torch.full_like(ids, 100), positions, meta) is None
+        assert fused_model.run_model(model, torch.full_like(ids, 100), positions, meta) is None
         tables = meta.decode_block_tables
         meta.decode_block_tables = tables.clone()
         meta.decode_block_tables[-1, (int(meta.decode_seq_lens[-1]) - 1) // BS] = NUM_BLOCKS  # a block it reads
-        assert fused_decode.run_model(model, ids, positions, meta) is None
+        assert fused_model.run_model(model, ids, positions, meta) is None
         meta.decode_block_tables = tables
         assert all(torch.equal(a, w) for a, w in zip(module_caches, written))
         with torch.no_grad():
             model.norm.weight.mul_(2)  # written in place: the kept body follows it
         meta.kv_caches = [c.clone() for c in written]
-        doubled = fused_decode.run_model(model, ids, positions, meta, lm.lm_head)
+        doubled = fused_model.run_model(model, ids, positions, meta, lm.lm_head)
         meta.kv_caches = [c.clone() for c in written]
         with monkeypatch.context() as m:
             m.setattr(fused_decode, "MAX_ROWS", 0)
@@ -256,8 +256,8 @@ def test_engine_decode_steps_take_the_fused_layer_and_stay_exact(tmp_path, monke
 
     path = make_checkpoint(str(tmp_path / "m"), seed=5)
     taken = []
-    real = fused_decode.run_model
-    monkeypatch.setattr(fused_decode, "run_model", lambda *a: taken.append((len(a[0].layers), r := real(*a))) or r)
+    real = fused_model.run_model
+    monkeypatch.setattr(fused_model, "run_model", lambda *a: taken.append((len(a[0].layers), r := real(*a))) or r)
     prompts = [[5, 9, 33, 7, 81, 2, 44], [17, 3, 3, 90, 12]]
     llm = LLM(path, max_model_len=128)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

@@ -18,9 +18,8 @@ stream evicts the code and data it uses; one call for the model made batch-1 dec
 1.17-1.20x faster (the 55M Llama, bound by its weights: 1.03x; docs/PERFORMANCE.md, session 28). What that
 call needs (the layers' C arrays) is kept on the model's layer list and checked as a whole each step (_stack):
 asking each layer for its plan cost 59 us of Python a step against 19, and batch-1 decode of the shipped
-model 1.08-1.15x (session 31). `run_model` (LlamaForCausalLM takes it first) does the same for the whole
-body and the lm_head: the rows' embeddings and rotary rows gathered in C, the layers, the final norm and the
-logits (session 33).
+model 1.08-1.15x (session 31). tandem/layers/fused_model.py does the same for a whole model body and its
+lm_head, through this stack.
 """
 
 from __future__ import annotations
@@ -122,37 +121,26 @@ def run(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta) -
     return run_layers([layer], x, rope, meta)
 
 
-def _prepared(layers, t: int, meta) -> tuple | None:
-    """(library, the layers' _Stack, block tables, lengths) for a step of t decode rows through `layers`; None
-    where the fused call does not apply to the step or to one of the layers."""
-    lib = native_cpu.library()
+def run_layers(layers, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor | None:
+    """The output of `layers` applied in turn to x, in one C call; None where the fused call does not apply to
+    every one of them (the caller then runs the module path from the first layer)."""
+    t, lib = x.shape[0], native_cpu.library()
     if (not layers or not 0 < t <= MAX_ROWS or meta.num_decode_tokens != t or meta.layer_hook is not None
             or meta.kv_scales is not None or meta.ops.name != "native" or not fused.ALLOWED or lib is None):
         return None
     stack = _stack(layers, meta.kv_caches)
+    if stack is None or t > stack.max_rows:
+        return None
+    cos, sin = rope
     slots = meta.slot_mapping
-    if (stack is None or t > stack.max_rows or slots.dtype != torch.int64 or not slots.is_contiguous()
+    if (x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or cos.shape != (t, 1, stack.head_dim)
+            or not cos.is_contiguous() or not sin.is_contiguous() or cos.dtype != torch.float32
+            or slots.dtype != torch.int64 or not slots.is_contiguous()
             or (torch.is_grad_enabled() and layers[0].self_attn.qkv_proj.weight.requires_grad)):
         return None
-    num_blocks, block_size = stack.num_blocks, stack.block_size
     for window in stack.windows:  # blocks every layer reads are in the cache
         tables, lens = native_cpu._checked(meta.decode_block_tables, meta.decode_seq_lens, meta.decode_query_len,
-                                           num_blocks, block_size, window)
-    return lib, stack, tables, lens
-
-
-def run_layers(layers, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor | None:
-    """The output of `layers` applied in turn to x, in one C call; None where the fused call does not apply to
-    every one of them (the caller then runs the module path from the first layer)."""
-    t = x.shape[0]
-    prepared = _prepared(layers, t, meta)
-    if prepared is None:
-        return None
-    lib, stack, tables, lens = prepared
-    cos, sin = rope
-    if (x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or cos.shape != (t, 1, stack.head_dim)
-            or not cos.is_contiguous() or not sin.is_contiguous() or cos.dtype != torch.float32):
-        return None
+                                           stack.num_blocks, stack.block_size, window)
     out = torch.empty_like(x)
     tmp = torch.empty_like(x) if len(layers) > 1 else None
     structs, caches, scratch = stack.arrays
@@ -162,93 +150,6 @@ def run_layers(layers, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
         meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), meta.num_decode_seqs,
         meta.decode_query_len, torch.get_num_threads())
     return out if rc == 0 else None  # a refusal (a slot outside the cache, say): the module path decides
-
-
-def run_model(model, input_ids: torch.Tensor, positions: torch.Tensor, meta,
-              lm_head=None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(A Llama body's output for a small decode step — the final norm of its layers applied to the rows'
-    embeddings — and, given its `lm_head`, every row's logits, else None), in one C call that also gathers the
-    embeddings and rotary rows and checks the block tables; None where it does not apply (the caller runs
-    embedding, rotary lookup and run_layers). Why: after the layers' weight streams, those torch ops, the
-    lm_head's call and the checks ran with the interpreter's code and data evicted, ~20-150 us each (session 33).
-    What the call needs from the model is kept (_body). Logits only where the lm_head's own call would take
-    the same C kernel (its small-batch plan covers the rows): bitwise what it returns."""
-    t, lib = input_ids.shape[0], native_cpu.library()
-    if (not 0 < t <= MAX_ROWS or meta.num_decode_tokens != t or meta.layer_hook is not None
-            or meta.kv_scales is not None or meta.ops.name != "native" or not fused.ALLOWED or lib is None):
-        return None
-    stack = _stack(model.layers, meta.kv_caches)
-    body = None if stack is None or t > stack.max_rows else _body(model, stack, lm_head)
-    slots, tables, lens = meta.slot_mapping, meta.decode_block_tables, meta.decode_seq_lens
-    if (body is None or slots.dtype != torch.int64 or tables.dtype != torch.int32 or lens.dtype != torch.int32
-            or input_ids.dtype != torch.int64 or positions.dtype != torch.int64 or positions.shape != (t,)
-            or not (slots.is_contiguous() and tables.is_contiguous() and lens.is_contiguous()
-                    and input_ids.is_contiguous() and positions.is_contiguous())
-            or (torch.is_grad_enabled() and body.embed.requires_grad)):
-        return None
-    out = torch.empty((t, body.hidden))
-    logits = torch.empty((t, body.vocab)) if body.head is not None and t <= body.head_rows else None
-    rc = lib.tandem_decode_model_f32(
-        *body.args, None if logits is None else body.head, *body.buffers, input_ids.data_ptr(), positions.data_ptr(),
-        t, slots.data_ptr(), tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(),
-        meta.num_decode_seqs, meta.decode_query_len, out.data_ptr(), None if logits is None else logits.data_ptr(),
-        torch.get_num_threads())
-    return (out, logits) if rc == 0 else None
-
-
-@dataclass
-class _Body:
-    """What run_model's call takes from a model, kept on it while the layer stack, the embedding, norm and rotary
-    tensors (identity and version) and the lm_head's plan stay the same."""
-
-    stack: _Stack
-    tensors: tuple  # embedding, final norm weight, rotary cos and sin (kept: their ids stay theirs)
-    versions: tuple
-    plan: tuple | None  # the lm_head's plan the head struct was made from
-    embed: torch.Tensor
-    hidden: int
-    vocab: int  # the lm_head's outputs
-    head: object  # the lm_head's plan as a C struct (byref), or None
-    head_rows: int  # rows up to which the lm_head's own call takes that plan
-    args: tuple  # the call's leading arguments, up to the head
-    buffers: tuple  # work, x_out, x_tmp addresses and the model's constants after the head
-    scratch: torch.Tensor
-
-
-def _body(model, stack: _Stack, lm_head) -> _Body | None:
-    """The model's _Body (made again when anything it was made from changed), or None where the call does not
-    apply: an embedding, norm or rotary table that is not a contiguous fp32 CPU tensor of the layers' sizes.
-    Read through the modules' own dicts: nn.Module's attribute lookup cost ~5 us each inside a step."""
-    mods = model._modules
-    rotary = mods["rotary"]._buffers
-    tensors = (mods["embed_tokens"]._parameters["weight"], mods["norm"]._parameters["weight"], rotary["cos"],
-               rotary["sin"])
-    plan = None if lm_head is None else lm_head.small_batch_plan()
-    held = model.__dict__.get("_fused_body")
-    if (held is not None and held.stack is stack and held.plan is plan and all(map(operator.is_, tensors, held.tensors))
-            and _versions(tensors) == held.versions):
-        return held
-    embed, norm, cos, sin = tensors
-    hidden, d = embed.shape[-1], stack.head_dim
-    if not (all(x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() for x in tensors) and embed.dim() == 2
-            and norm.shape == (hidden,) and cos.dim() == 2 and cos.shape == sin.shape and cos.shape[1] == d):
-        return None
-    head, head_rows, vocab = None, 0, 0
-    if plan is not None and lm_head.weight.shape[1] == hidden:
-        head, head_rows, vocab = ctypes.byref(_linear_plan(lm_head, plan)), SMALL_BATCH_BF16 if plan[3] else \
-            SMALL_BATCH, lm_head.weight.shape[0]
-    scratch = torch.empty(MAX_ROWS * (3 * hidden + 2 * d))
-    address, step = scratch.data_ptr(), MAX_ROWS * hidden * 4
-    structs, caches, layer_scratch = stack.arrays
-    windows = [w or 0 for w in stack.windows]
-    args = (structs, len(model.layers), caches, layer_scratch, embed.data_ptr(), embed.shape[0], cos.data_ptr(),
-            sin.data_ptr(), cos.shape[0], norm.data_ptr(), model.norm.eps)
-    buffers = (address + 2 * step, address, address + step, stack.num_blocks, stack.block_size,
-               0 if 0 in windows else max(windows))  # the widest window reads the most blocks
-    body = _Body(stack, tensors, _versions(tensors), plan, embed, hidden, vocab, head, head_rows, args, buffers,
-                 scratch)
-    model._fused_body = body
-    return body
 
 
 @dataclass

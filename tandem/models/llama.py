@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kernels import fused
-from tandem.layers import fused_decode
+from tandem.layers import fused_decode, fused_model
 from tandem.layers.attention import Attention, AttentionMetadata
 from tandem.layers.linear import Linear
 from tandem.layers.norm import RMSNorm
@@ -88,11 +88,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Returns final hidden states [T, hidden]; call `compute_logits` on the rows you sample from. A small
-        decode step runs body and lm_head in one C call (fused_decode.run_model): its logits are kept for the
+        decode step runs body and lm_head in one C call (fused_model.run_model): its logits are kept for the
         compute_logits of the very tensor returned."""
         self._fused_logits = None
         if len(input_ids) <= fused_decode.MAX_ROWS and meta.out_rows is None:
-            fused = fused_decode.run_model(self.model, input_ids, positions, meta, self.lm_head)
+            fused = fused_model.run_model(self.model, input_ids, positions, meta, self.lm_head)
             if fused is not None:
                 hidden, logits = fused
                 if logits is not None:
