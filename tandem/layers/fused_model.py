@@ -43,7 +43,7 @@ def run_model(model, input_ids: torch.Tensor, positions: torch.Tensor, meta,
             or input_ids.dtype != torch.int64 or positions.dtype != torch.int64 or positions.shape != (t,)
             or not (slots.is_contiguous() and tables.is_contiguous() and lens.is_contiguous()
                     and input_ids.is_contiguous() and positions.is_contiguous())
-            or (torch.is_grad_enabled() and body.embed.requires_grad)):
+            or (torch.is_grad_enabled() and body.tensors[0].requires_grad)):
         return None
     out = torch.empty((t, body.hidden))
     logits = torch.empty((t, body.vocab)) if body.head is not None and t <= body.head_rows else None
@@ -64,7 +64,6 @@ class _Body:
     tensors: tuple  # embedding, final norm weight, rotary cos and sin (kept: their ids stay theirs)
     versions: tuple
     plan: tuple | None  # the lm_head's plan the head struct was made from
-    embed: torch.Tensor
     hidden: int
     vocab: int  # the lm_head's outputs
     head: object  # the lm_head's plan as a C struct (byref), or None
@@ -105,7 +104,7 @@ def _body(model, stack: _Stack, lm_head) -> _Body | None:
             sin.data_ptr(), cos.shape[0], norm.data_ptr(), model.norm.eps)
     buffers = (address + 2 * step, address, address + step, stack.num_blocks, stack.block_size,
                0 if 0 in windows else max(windows))  # the widest window reads the most blocks
-    body = _Body(stack, tensors, _versions(tensors), plan, embed, hidden, vocab, head, head_rows, args, buffers,
+    body = _Body(stack, tensors, _versions(tensors), plan, hidden, vocab, head, head_rows, args, buffers,
                  scratch)
     model._fused_body = body
     return body
