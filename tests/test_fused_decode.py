@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels import NATIVE_CPU_OPS, native_cpu
+from tandem.engine import sampler
 from tandem.layers import fused_decode, fused_model
 from tandem.layers.attention import AttentionMetadata
 from tandem.layers.rotary import RotaryEmbedding
@@ -150,6 +151,7 @@ def test_the_model_body_in_one_call_is_bitwise_the_module_path(monkeypatch, bf16
             module = model(ids, positions, meta)
         assert fused is not None and fused[1] is not None
         assert torch.equal(fused[0], module) and torch.equal(fused[1], lm.lm_head(module))
+        assert fused[2] == lm.lm_head(module).argmax(-1).tolist()
         assert all(torch.equal(a, m) for a, m in zip(fused_caches, module_caches))
         assert not torch.equal(fused[0], model.norm(model.embed_tokens(ids)))  # the layers really ran
         written = [c.clone() for c in module_caches]
@@ -174,7 +176,10 @@ def test_the_model_body_in_one_call_is_bitwise_the_module_path(monkeypatch, bf16
         meta.kv_caches = [c.clone() for c in written]
         hidden = lm(ids, positions, meta)  # the model's own forward takes it, logits kept for this tensor once
         assert lm._fused_logits is not None and lm._fused_logits[0] is hidden
-        assert torch.equal(lm.compute_logits(hidden), lm.lm_head(hidden)) and lm._fused_logits is None
+        logits = lm.compute_logits(hidden)
+        assert torch.equal(logits, lm.lm_head(hidden)) and lm._fused_logits is None
+        assert lm.fused_argmax is not None and lm.fused_argmax[0] is logits
+        assert lm.fused_argmax[1] == logits.argmax(-1).tolist()
         assert torch.equal(lm.compute_logits(hidden[:1]), lm.lm_head(hidden[:1]))
 
 
@@ -258,8 +263,12 @@ def test_engine_decode_steps_take_the_fused_layer_and_stay_exact(tmp_path, monke
     taken = []
     real = fused_model.run_model
     monkeypatch.setattr(fused_model, "run_model", lambda *a: taken.append((len(a[0].layers), r := real(*a))) or r)
+    argmax_passes = []  # the sampler's own argmax: only where the step's C call did not take it (prompt steps)
+    real_argmax = sampler.fused.argmax_rows
+    monkeypatch.setattr(sampler.fused, "argmax_rows", lambda x: argmax_passes.append(len(x)) or real_argmax(x))
     prompts = [[5, 9, 33, 7, 81, 2, 44], [17, 3, 3, 90, 12]]
     llm = LLM(path, max_model_len=128)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 12)
     assert sum(n == 2 and r is not None for n, r in taken) >= 11  # every decode step: the whole body in one call
+    assert len(argmax_passes) <= len(prompts)  # decode steps' tokens are the argmax the C call took

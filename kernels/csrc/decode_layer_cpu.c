@@ -102,7 +102,9 @@ int tandem_decode_layers_f32(const tandem_layer_t *layers, int32_t n_layers, flo
 /* A small decode step's whole model body in one call: each row's embedding (ids into embed [vocab, hidden]) and
  * rotary rows (positions into cos_tab / sin_tab [max_pos, D]) gathered into work [MAX_ROWS * (hidden + 2 D)],
  * the decoder layers (tandem_decode_layers_f32, into x_out via x_tmp), the final RMSNorm of x_out into normed
- * and, given a head (the lm_head's plan; NULL: none), every row's logits from normed. The block tables are
+ * and, given a head (the lm_head's plan; NULL: none), every row's logits from normed and their argmax into best
+ * (tandem_argmax_f32's, while the logits are in cache: the greedy sampler's pass over them cost ~80 us from Python
+ * after the step, ~10 here; NULL: not taken). The block tables are
  * checked here, not in Python: every block a layer reads (window 0: every block below the length; else the
  * largest window of the layers) must be in the cache.
  * Why: after the layers' weight streams have evicted the interpreter's code and data, the embedding lookup, the
@@ -119,7 +121,7 @@ int tandem_decode_model_f32(const tandem_layer_t *layers, int32_t n_layers, floa
                             int32_t BS, int32_t check_window, const int64_t *ids, const int64_t *positions,
                             int64_t T, const int64_t *slots, const int32_t *tables, int64_t table_stride,
                             int64_t table_width, const int32_t *seq_lens, int32_t B, int32_t Q, float *normed,
-                            float *logits, int num_threads) {
+                            float *logits, int64_t *best, int num_threads) {
     const int64_t hidden = layers[0].o.out_features, D = layers[0].head_dim;
     for (int32_t b = 0; b < B; b++) {
         const int64_t len = seq_lens[b], behind = check_window > 0 ? len - Q - check_window + 1 : 0;
@@ -141,5 +143,8 @@ int tandem_decode_model_f32(const tandem_layer_t *layers, int32_t n_layers, floa
                                             num_threads);
     if (rc) return rc;
     tandem_add_rms_norm_f32(x_out, 0, x_out, norm, normed, T, hidden, eps, num_threads);
-    return head && tandem_run_linear(head, normed, logits, T, num_threads) ? -1 : 0;
+    if (!head) return 0;
+    if (tandem_run_linear(head, normed, logits, T, num_threads)) return -1;
+    if (best) tandem_argmax_f32(logits, T, head->out_features, best, num_threads);
+    return 0;
 }

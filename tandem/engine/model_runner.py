@@ -220,7 +220,9 @@ class ModelRunner:
             if any(r.grammar is not None for r in reqs):
                 tokens = self._check_grammar(reqs, rows, masked, partial(self._sample_rows, rows, reqs))
             else:
-                tokens = sampler.sample(rows, [r.params for r in reqs], [r.generator for r in reqs], self.generator)
+                held = getattr(self.model, "fused_argmax", None)  # the argmax of the very logits, unprocessed
+                tokens = sampler.sample(rows, [r.params for r in reqs], [r.generator for r in reqs], self.generator,
+                                        held[1] if held is not None and held[0] is rows else None)
             sampled.update((r.request_id, [t]) for r, t in zip(reqs, tokens))
         return StepResult(sampled, per_req)
 

@@ -54,10 +54,11 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           default_generator: torch.Generator) -> list[int]:
-    """logits [N, V] (fp32, on CPU or device), one params/generator per row."""
+           default_generator: torch.Generator, argmax: list[int] | None = None) -> list[int]:
+    """logits [N, V] (fp32, on CPU or device), one params/generator per row; `argmax`: each row's argmax, where
+    the model's call that made the logits took it already (LlamaForCausalLM.fused_argmax)."""
     if all(p.greedy for p in params):
-        return fused.argmax_rows(logits)
+        return argmax if argmax is not None else fused.argmax_rows(logits)
     cpu = logits.cpu()
     return [sample_row(cpu[i], p, g or default_generator) for i, (p, g) in enumerate(zip(params, generators))]
 

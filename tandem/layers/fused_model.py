@@ -24,14 +24,15 @@ from tandem.layers.linear import SMALL_BATCH, SMALL_BATCH_BF16
 
 
 def run_model(model, input_ids: torch.Tensor, positions: torch.Tensor, meta,
-              lm_head=None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+              lm_head=None) -> tuple[torch.Tensor, torch.Tensor | None, list[int] | None] | None:
     """(A Llama body's output for a small decode step — the final norm of its layers applied to the rows'
-    embeddings — and, given its `lm_head`, every row's logits, else None), in one C call that also gathers the
-    embeddings and rotary rows and checks the block tables; None where it does not apply (the caller runs
-    embedding, rotary lookup and run_layers). Why: after the layers' weight streams, those torch ops, the
-    lm_head's call and the checks ran with the interpreter's code and data evicted, ~20-150 us each (session 33).
-    What the call needs from the model is kept (_body). Logits only where the lm_head's own call would take
-    the same C kernel (its small-batch plan covers the rows): bitwise what it returns."""
+    embeddings — and, given its `lm_head`, every row's logits and their argmax, else None and None), in one C
+    call that also gathers the embeddings and rotary rows and checks the block tables; None where it does not
+    apply (the caller runs embedding, rotary lookup and run_layers). Why: after the layers' weight streams, those
+    torch ops, the lm_head's call, the checks and the greedy sampler's argmax ran with the interpreter's code and
+    data evicted, ~20-150 us each (sessions 33-34). What the call needs from the model is kept (_body). Logits
+    only where the lm_head's own call would take the same C kernel (its small-batch plan covers the rows):
+    bitwise what it returns; the argmax is kernels.fused.argmax_rows' of them."""
     t, lib = input_ids.shape[0], native_cpu.library()
     if (not 0 < t <= fused_decode.MAX_ROWS or meta.num_decode_tokens != t or meta.layer_hook is not None
             or meta.kv_scales is not None or meta.ops.name != "native" or not fused.ALLOWED or lib is None):
@@ -47,12 +48,13 @@ def run_model(model, input_ids: torch.Tensor, positions: torch.Tensor, meta,
         return None
     out = torch.empty((t, body.hidden))
     logits = torch.empty((t, body.vocab)) if body.head is not None and t <= body.head_rows else None
+    best = None if logits is None else (ctypes.c_int64 * t)()  # not a tensor: see fused.argmax_rows
     rc = lib.tandem_decode_model_f32(
         *body.args, None if logits is None else body.head, *body.buffers, input_ids.data_ptr(), positions.data_ptr(),
         t, slots.data_ptr(), tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(),
         meta.num_decode_seqs, meta.decode_query_len, out.data_ptr(), None if logits is None else logits.data_ptr(),
-        torch.get_num_threads())
-    return (out, logits) if rc == 0 else None
+        best, torch.get_num_threads())
+    return (out, logits, None if best is None else best[:]) if rc == 0 else None
 
 
 @dataclass

@@ -84,25 +84,29 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._fused_logits: tuple[torch.Tensor, torch.Tensor] | None = None  # see forward
+        self._fused_logits: tuple[torch.Tensor, torch.Tensor, list[int]] | None = None  # see forward
+        self.fused_argmax: tuple[torch.Tensor, list[int]] | None = None  # see compute_logits
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Returns final hidden states [T, hidden]; call `compute_logits` on the rows you sample from. A small
         decode step runs body and lm_head in one C call (fused_model.run_model): its logits are kept for the
         compute_logits of the very tensor returned."""
-        self._fused_logits = None
+        self._fused_logits = self.fused_argmax = None
         if len(input_ids) <= fused_decode.MAX_ROWS and meta.out_rows is None:
             fused = fused_model.run_model(self.model, input_ids, positions, meta, self.lm_head)
             if fused is not None:
-                hidden, logits = fused
+                hidden, logits, best = fused
                 if logits is not None:
-                    self._fused_logits = (hidden, logits)
+                    self._fused_logits = (hidden, logits, best)
                 return hidden
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm_head's logits of `hidden`; those of the tensor forward just returned come from its C call,
+        with their argmax kept in `fused_argmax` ((logits, each row's argmax)) for the greedy sampler."""
         held = self._fused_logits
         if held is not None and held[0] is hidden:
             self._fused_logits = None  # taken once: not kept alive past the step
+            self.fused_argmax = held[1:]
             return held[1]
         return self.lm_head(hidden).float()
