@@ -48,19 +48,15 @@ class DecodeGraphs:
         self.forward, self.ops, self.kv_caches, self.kv_scales = forward, ops, kv_caches, kv_scales
         self.capture = capture
         n, rows = SIZES[-1], min(MAX_ROWS, SIZES[-1] * MAX_DECODE_QUERY_LEN)
-        # The static buffers are views of two device tensors (int64: ids, positions, slots; int32: lengths, then
-        # tables), each filled by one asynchronous copy from a pinned host tensor of the same layout: a copy per
-        # buffer from a fresh pageable tensor made the host wait for the GPU five times a step (an H200, 55M
-        # Llama, batch 1: 6 copies and 6 synchronizations, ~70 us each, of a 0.9 ms step).
-        self.rows, self.width = rows, max_blocks_per_seq
-        self._device64 = torch.zeros(3 * rows, dtype=torch.long, device=device)
-        self._device32 = torch.zeros(n + n * max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.input_ids, self.positions, self.slots = self._device64.view(3, rows).unbind()
-        self.lens, self.tables = self._device32[:n], self._device32[n:].view(n, max_blocks_per_seq)
-        pinned = device.type == "cuda"
-        self._host64 = torch.zeros(3 * rows, dtype=torch.long, pin_memory=pinned)
-        self._host32 = torch.zeros(n + n * max_blocks_per_seq, dtype=torch.int32, pin_memory=pinned)
-        self._copied = torch.cuda.Event() if pinned else None  # the last copy out of the host tensors has run
+        # Token ids, positions and slots are views of one device tensor, filled by one copy a step. Every copy in
+        # comes from a pinned host tensor, asynchronously (the host allocator keeps its block until the copy has
+        # run): copies from fresh pageable tensors made the host wait for the GPU at each (an H200, 55M Llama,
+        # batch 1: 6 copies and 6 synchronizations, ~70 us each, of a 0.9 ms step).
+        self.rows, self.pinned = rows, device.type == "cuda"
+        self._ids_pos_slots = torch.zeros(3 * rows, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slots = self._ids_pos_slots.view(3, rows).unbind()
+        self.tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.lens = torch.ones(n, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, int], _Captured] = {}
         self.pool = None
         self.replays = 0  # steps served by a graph (tests and the profile read it)
@@ -94,28 +90,20 @@ class DecodeGraphs:
 
     def _copy_in(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
                  lens: list[int], size: int, q: int) -> None:
-        """The step's inputs into the host tensors, then one copy each to the device (asynchronous from pinned
-        memory). Pad requests: slots -1 (no K/V written), Q tokens of block 0. Table entries past a row's
-        blocks point at block 0, as the eager path's do: the Triton kernels never read them, but the reference
-        decode op gathers (and masks) a bucket's whole span, and a stale entry's freed block may hold
-        non-finite values that a mask cannot hide (NaN * 0)."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the last step's copy has read the host tensors (done by now: it sampled)
-        rows, b, n = len(input_ids), len(tables), self.lens.shape[0]
-        h64, h32 = self._host64.numpy(), self._host32.numpy()
-        for i, (values, pad) in enumerate(((input_ids, 0), (positions, 0), (slots, -1))):
-            h64[i * self.rows:i * self.rows + rows] = values
-            h64[i * self.rows + rows:i * self.rows + size * q] = pad
-        h32[:b] = lens
-        h32[b:size] = q
-        table = h32[n:n + size * self.width].reshape(size, self.width)
-        table[:] = 0
-        for row, blocks in zip(table, tables):
-            row[:len(blocks)] = blocks
-        self._device64.copy_(self._host64, non_blocking=True)
-        self._device32[:n + size * self.width].copy_(self._host32[:n + size * self.width], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        """The step's inputs into the static buffers: three asynchronous copies from pinned memory. Pad requests:
+        slots -1 (no K/V written), Q tokens of block 0. Table entries past a row's blocks point at block 0, as the
+        eager path's do: the Triton kernels never read them, but the reference decode op gathers (and masks) a
+        bucket's whole span, and a stale entry's freed block may hold non-finite values that a mask cannot hide
+        (NaN * 0)."""
+        b, pad, width = len(tables), [0] * (self.rows - len(input_ids)), max(len(t) for t in tables)
+        flat = input_ids + pad + positions + pad + slots + [-1] * len(pad)
+        self._ids_pos_slots.copy_(torch.tensor(flat, pin_memory=self.pinned), non_blocking=True)
+        self.lens[:size].copy_(torch.tensor(lens + [q] * (size - b), dtype=torch.int32, pin_memory=self.pinned),
+                               non_blocking=True)
+        self.tables[:b, :width].copy_(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                                   pin_memory=self.pinned), non_blocking=True)
+        self.tables[b:size, 0] = 0
+        self.tables[:size, width:] = 0
 
     def _meta(self, size: int, q: int) -> AttentionMetadata:
         return AttentionMetadata(
