@@ -65,6 +65,23 @@ def _rogue(address: str, keys: security.LinkKeys | None = None, server_key: byte
     return sock
 
 
+def _offer(sock: zmq.Socket, data: bytes, seconds: float = 2.0) -> None:
+    """Queue `data` on a rogue socket without ever blocking the test. When the server refuses the handshake
+    (a mechanism mismatch or a wrong key is a ZMTP protocol error) libzmq terminates the connecting session and
+    its pipe instead of reconnecting, so a DEALER whose refusal came before its send has nowhere to queue and a
+    blocking send waits forever (a CI run hung 600 s here). A frame that never leaves is refused all the same;
+    what the tests assert is that none is delivered."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            sock.send(data, zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+
+
 def test_curve_admits_the_cluster_key_only(secured, log_lines):
     ctx = zmq.Context()
     server = security.server(ctx.socket(zmq.ROUTER))
@@ -77,7 +94,7 @@ def test_curve_admits_the_cluster_key_only(secured, log_lines):
     wrong = security.from_secret("another-secret-entirely-xyz")
     rogues = [_rogue(address), _rogue(address, wrong, secured.public), _rogue(address, wrong, secured.public)]
     for r in rogues:
-        r.send(b"rogue")
+        _offer(r, b"rogue")
     assert not server.poll(1500), "a frame from a peer without the cluster key was delivered"
     # the member's link still works after the refusals
     member.send(b"still here")
@@ -159,12 +176,12 @@ def test_cluster_with_link_keys_serves_and_refuses_rogues(tmp_path):
         cluster_public = security.from_directory(keys).public
         for peer in (None, wrong):
             reg = _rogue(ep["listen"], peer, cluster_public)
-            reg.send(_frame("register", worker_id="rogue", role="decode", control_address="tcp://127.0.0.1:1",
-                            model="x", interval_ms=500))
+            _offer(reg, _frame("register", worker_id="rogue", role="decode", control_address="tcp://127.0.0.1:1",
+                               model="x", interval_ms=500))
             ctl = _rogue(d_ready["control"], peer, cluster_public)
-            ctl.send(_frame("stats"))
+            _offer(ctl, _frame("stats"))
             kv = _rogue(d_ready["kv"], peer, cluster_public)
-            kv.send(b"not even a KV frame")
+            _offer(kv, b"not even a KV frame")
             assert not ctl.poll(1500), "the decode worker answered a peer without the cluster key"
             for s in (reg, ctl, kv):
                 s.close(0)
