@@ -84,7 +84,7 @@ class DistReceiver(BaseReceiver):
         self._store = dist.TCPStore(self._host, 0, None, True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=self._timeout_s))
 
-    def _accept_peer(self, peer: bytes, sender_id: str) -> tuple[dict[str, Any], Any]:
+    def _accept_peer(self, peer: bytes, hello: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         pair = _Pair(uuid.uuid4().hex)
         pair.thread = threading.Thread(target=self._pair_loop, args=(peer, pair), daemon=True,
                                        name=f"kv-recv-pair-{pair.name[:8]}")

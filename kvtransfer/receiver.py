@@ -98,7 +98,7 @@ class BaseReceiver(ReceiverIO, KVReceiver):
     def _setup(self) -> None:
         """Runs before the I/O thread starts."""
 
-    def _accept_peer(self, peer: bytes, sender_id: str) -> tuple[dict[str, Any], Any]:
+    def _accept_peer(self, peer: bytes, hello: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         """Handshake accepted: (extra for hello_ok, per-peer state). ValueError refuses the sender."""
         return {}, None
 
@@ -135,11 +135,16 @@ class BaseReceiver(ReceiverIO, KVReceiver):
         self._inbox.put(item)
         self._ready.wake()
 
+    def _take_notes(self) -> list[Any]:
+        """Caller thread: empty the ready fd (before the inbox is read: WakePipe's rule). A connector whose
+        senders write to that fd themselves (shm) returns their messages, as inbox items."""
+        self._ready.drain()
+        return []
+
     def poll(self, timeout_ms: int = 0) -> list[TransferEvent]:
-        self._ready.drain()  # before the inbox is read (WakePipe's rule)
-        items: list[Any] = []
+        items: list[Any] = self._take_notes()
         try:
-            wait = timeout_ms > 0 and not self._events
+            wait = timeout_ms > 0 and not self._events and not items
             items.append(self._inbox.get(timeout=timeout_ms / 1000) if wait else self._inbox.get_nowait())
             while len(items) < 4096:
                 items.append(self._inbox.get_nowait())
@@ -230,7 +235,7 @@ class BaseReceiver(ReceiverIO, KVReceiver):
         rid = c.msg["request_id"]
         req = self._requests.get(rid)
         if req is None or req.peer not in (None, c.peer):
-            self._send(c.peer, wire.encode("done_ack", request_id=rid, ok=False,
+            self._send_ack(c.peer, wire.encode("done_ack", request_id=rid, ok=False,
                                            reason="request not expected here (never, cancelled or timed out)"))
             return
         req.peer, req.done, req.last_ns = c.peer, (c.msg["messages"], c.msg["bytes"]), time.monotonic_ns()
@@ -253,7 +258,7 @@ class BaseReceiver(ReceiverIO, KVReceiver):
         else:
             self._events.append(TransferDone(rid, req.nbytes, req.result))
         if req.peer is not None:  # always set once a done arrived; keeps the type checker honest
-            self._send(req.peer, wire.encode("done_ack", request_id=rid, ok=not reason, reason=reason))
+            self._send_ack(req.peer, wire.encode("done_ack", request_id=rid, ok=not reason, reason=reason))
 
     def _retire(self, rid: str, reason: str, fence: bool) -> None:
         """End an unfinished request: tell every sender to stop, report once writes are fenced."""
@@ -294,3 +299,7 @@ class BaseReceiver(ReceiverIO, KVReceiver):
     def _send(self, peer: bytes, data: bytes) -> None:
         self._outbox.put([peer, data])
         self._wake.wake()
+
+    def _send_ack(self, peer: bytes, data: bytes) -> None:
+        """A done_ack (shm: straight to the sender's note socket when it has one)."""
+        self._send(peer, data)

@@ -51,7 +51,7 @@ class ReceiverIO:
     _outbox: queue.SimpleQueue
     _peers_lock: threading.Lock
 
-    def _accept_peer(self, peer: bytes, sender_id: str) -> tuple[dict[str, Any], Any]:
+    def _accept_peer(self, peer: bytes, hello: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         raise NotImplementedError
 
     def _on_kv(self, peer: bytes, info: Peer, header: wire.KVHeader, frames: list[zmq.Frame], t_ns: int) -> None:
@@ -141,7 +141,7 @@ class ReceiverIO:
         if old is not None:
             self._drop_peer(old)
         try:
-            extra, state = self._accept_peer(peer, msg["sender_id"])
+            extra, state = self._accept_peer(peer, msg)
         except ValueError as exc:
             return wire.encode("kv_error", reason=str(exc))
         info = Peer(msg["sender_id"], peer, data_id, state)

@@ -77,13 +77,33 @@ class SenderIO:
     def _mark_cancelled(self, request_id: str) -> None:
         raise NotImplementedError
 
+    def _hello_extra(self) -> dict[str, Any] | None:
+        """Connector-specific fields of the handshake (shm: the sender's note socket)."""
+        return None
+
+    def _extra_fds(self) -> list[int]:
+        """Raw fds the I/O thread also polls; `_on_fd_ready(fd)` runs when one is readable."""
+        return []
+
+    def _on_fd_ready(self, fd: int) -> None:
+        raise NotImplementedError
+
     def _io_loop(self) -> None:
         self._poller = zmq.Poller()
         self._poller.register(self._wake.rfd, zmq.POLLIN)
+        extra_fds = self._extra_fds()
+        for fd in extra_fds:
+            self._poller.register(fd, zmq.POLLIN)
         running = True
         while running:
             ready = dict(self._poller.poll(1000))
             self._wake.drain()
+            for fd in extra_fds:
+                if fd in ready:
+                    try:
+                        self._on_fd_ready(fd)
+                    except Exception as exc:  # a bad note must not stop the I/O thread
+                        log.exception("kv_sender_fd_error", error=str(exc))
             try:
                 while True:
                     running = self._run_command(self._commands.get_nowait()) and running
@@ -121,7 +141,7 @@ class SenderIO:
             link = self._links[args[0]] = Link(args[0], sock, args[1])
             link.pending.append(Outgoing("", wire.encode(
                 "hello", connector=self.connector_name, sender_id=self.sender_id, layout=self.layout.to_dict(),
-                data_id=args[2]), "control"))
+                data_id=args[2], extra=self._hello_extra()), "control"))
         elif link is None:
             log.warning("kv_sender_no_link", command=kind, address=args[0])
         elif kind == "forget":
@@ -136,6 +156,14 @@ class SenderIO:
             self._drop_queued(link, args[1])
             link.pending.append(Outgoing(args[1], wire.encode("cancel", request_id=args[1]), "control"))
         return True
+
+    def _on_done_ack(self, msg: dict[str, Any]) -> None:
+        if not msg["ok"]:
+            log.warning("kv_transfer_refused", request_id=msg["request_id"], reason=msg["reason"])
+        with self._book:  # not _lock: a copy in progress holds that
+            fut = self._finishing.get(msg["request_id"])
+            if fut is not None and not fut.done():
+                fut.set_result(msg["ok"])
 
     def _drop_queued(self, link: Link, request_id: str) -> None:
         link.pending = deque(i for i in link.pending if i.request_id != request_id or i.kind == "control")
@@ -174,12 +202,7 @@ class SenderIO:
                 else:
                     link.hello.set_exception(HandshakeError(f"{link.address} refused the handshake: {msg['reason']}"))
             elif kind == "done_ack":
-                if not msg["ok"]:
-                    log.warning("kv_transfer_refused", request_id=msg["request_id"], reason=msg["reason"])
-                with self._book:  # not _lock: a copy in progress holds that
-                    fut = self._finishing.get(msg["request_id"])
-                    if fut is not None and not fut.done():
-                        fut.set_result(msg["ok"])
+                self._on_done_ack(msg)
             elif kind == "cancel":
                 rid = msg["request_id"]
                 with self._lock:  # waits out an shm write in progress: after this none starts

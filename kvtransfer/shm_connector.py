@@ -1,12 +1,13 @@
 """The `shm` connector (same host): P writes straight into D's KV cache, which lives in shared memory.
 
 D allocates its caches with `allocate_shared_kv_caches` (or `ShmConnector.allocate_kv_caches`): one
-file in /dev/shm, pre-faulted once at start-up and mapped for the worker's lifetime, so a transfer
+file in /dev/shm (kvtransfer/shm_segment.py), mapped for the worker's lifetime, so a transfer
 allocates nothing and moves each byte once (P's block -> D's block, with streaming stores:
 kvtransfer/blocks.py copy_blocks). The handshake tells P the
 file and the per-layer offsets; a small `kv` notification over ZMQ says which blocks of which layers
 are written — held by P until the request's `done` and merged into one message for all layers
-(BaseSender.defer_notifications), so D's I/O thread wakes once per transfer, not once per layer.
+(BaseSender.defer_notifications) and sent with the `done` as a datagram straight to D's caller thread,
+which acknowledges the same way (kvtransfer/shm_notes.py); over ZMQ only when that way is closed.
 Because P writes D's memory itself, cancelling is fenced: D reports the cancel only after P confirms
 (under the lock its writes take) that it writes nothing more for that request.
 """
@@ -14,10 +15,12 @@ Because P writes D's memory itself, cancelling is fenced: D reports the cancel o
 from __future__ import annotations
 
 import os
+import select
 import tempfile
+import time
 import uuid
-import weakref
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,112 +29,19 @@ import zmq
 from kvtransfer import wire
 from kvtransfer.base import CacheLayout, KVConnector
 from kvtransfer.blocks import copy_blocks, gather
-from kvtransfer.common import Arrival, check_caches
-from kvtransfer.receiver import BaseReceiver, Peer
-from kvtransfer.sender import BaseSender, Outgoing
-
-SHM_DIR = "/dev/shm"
-FILE_PREFIX = "tandem-kv-"
-ALIGN = 4096  # each layer's tensor starts on a page
-
-
-@dataclass(slots=True)
-class SharedKVHandle:
-    """A shared-memory KV cache segment; close() (or a normal interpreter exit) removes the file.
-    Mapped tensors stay valid after close(); only new senders can no longer attach. A process that
-    dies without either leaves /dev/shm/tandem-kv-<pid>-* behind."""
-
-    path: str
-    nbytes: int
-    num_blocks: int
-    layer_offsets: list[int]
-    scale_offsets: list[int] | None
-    buffer: torch.Tensor = field(repr=False)  # the whole mapping, uint8
-    _finalizer: Any = field(default=None, repr=False)
-
-    def close(self) -> None:
-        _SEGMENTS.pop(self.buffer.data_ptr(), None)
-        if self._finalizer is not None:
-            self._finalizer()
-
-
-_SEGMENTS: dict[int, SharedKVHandle] = {}  # base address of the mapping -> handle
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _plan(layout: CacheLayout, num_blocks: int) -> tuple[list[int], list[int] | None, int]:
-    """Byte offsets of each layer's cache (and scale) tensor in the segment, and its total size."""
-    def aligned(n: int) -> int:
-        return (n + ALIGN - 1) // ALIGN * ALIGN
-    cache_bytes, scale_bytes = num_blocks * layout.block_nbytes, num_blocks * layout.scale_block_nbytes
-    layer_offsets = [i * aligned(cache_bytes) for i in range(layout.num_layers)]
-    end = layout.num_layers * aligned(cache_bytes)
-    scale_offsets = None
-    if layout.is_quantized:
-        scale_offsets = [end + i * aligned(scale_bytes) for i in range(layout.num_layers)]
-        end += layout.num_layers * aligned(scale_bytes)
-    return layer_offsets, scale_offsets, end
-
-
-def _views(buffer: torch.Tensor, layout: CacheLayout, num_blocks: int, layer_offsets: list[int],
-           scale_offsets: list[int] | None) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    cache_bytes, scale_bytes = num_blocks * layout.block_nbytes, num_blocks * layout.scale_block_nbytes
-    if any(o < 0 or o % ALIGN or o + cache_bytes > buffer.numel() for o in layer_offsets) or any(
-            o < 0 or o % ALIGN or o + scale_bytes > buffer.numel() for o in scale_offsets or []):
-        raise ValueError("shared KV segment offsets fall outside the segment")
-    caches = [buffer[o:o + cache_bytes].view(layout.torch_kv_dtype).view(num_blocks, *layout.block_shape)
-              for o in layer_offsets]
-    scales = None if scale_offsets is None else [
-        buffer[o:o + scale_bytes].view(torch.float32).view(num_blocks, *layout.scale_block_shape)
-        for o in scale_offsets]
-    return caches, scales
-
-
-def reap_orphaned_segments(directory: str = SHM_DIR) -> list[str]:
-    """Remove segments whose owner (the pid in the name) is gone: a decode worker killed with
-    SIGKILL cannot remove its own. Run at every allocation, so a restarted worker cleans up after the
-    one it replaces. (Each container has its own /dev/shm, so pids are of this pid namespace.)"""
-    reaped = []
-    for name in os.listdir(directory) if os.path.isdir(directory) else []:
-        if not name.startswith(FILE_PREFIX):
-            continue
-        pid = name[len(FILE_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            _unlink(os.path.join(directory, name))
-            reaped.append(name)
-        except PermissionError:
-            pass  # alive, someone else's
-    return reaped
-
-
-def allocate_shared_kv_caches(
-    layout: CacheLayout, num_blocks: int, directory: str = SHM_DIR
-) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, SharedKVHandle]:
-    """D's per-layer caches (and scales) as views of one pre-faulted shared-memory file."""
-    if num_blocks <= 0:
-        raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
-    if not os.path.isdir(directory):
-        raise ValueError(f"shared-memory directory {directory!r} does not exist (Linux: /dev/shm)")
-    reap_orphaned_segments(directory)
-    layer_offsets, scale_offsets, total = _plan(layout, num_blocks)
-    path = os.path.join(directory, f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
-    buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-    buffer.zero_()  # pre-fault every page now rather than inside the first transfers
-    handle = SharedKVHandle(path, total, num_blocks, layer_offsets, scale_offsets, buffer)
-    handle._finalizer = weakref.finalize(buffer, _unlink, path)  # also runs at interpreter exit
-    _SEGMENTS[buffer.data_ptr()] = handle
-    caches, scales = _views(buffer, layout, num_blocks, layer_offsets, scale_offsets)
-    return caches, scales, handle
+from kvtransfer.common import Arrival, Control, check_caches
+from kvtransfer.receiver import BaseReceiver, Peer, TransferEvent
+from kvtransfer.sender import BaseSender, Outgoing, _Conn
+from kvtransfer.shm_notes import NoteSocket, pack_notes, unpack_notes, usable_peer_path
+from kvtransfer.shm_segment import (  # noqa: F401  (re-exported: the segment's API under the connector's name)
+    FILE_PREFIX,
+    SEGMENTS,
+    SHM_DIR,
+    SharedKVHandle,
+    allocate_shared_kv_caches,
+    reap_orphaned_segments,
+    views,
+)
 
 
 class ShmReceiver(BaseReceiver):
@@ -141,7 +51,7 @@ class ShmReceiver(BaseReceiver):
     def __init__(self, layout: CacheLayout, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None,
                  bind: str | None = None, *, timeout_s: float = 30.0) -> None:
         check_caches(layout, kv_caches, kv_scales)
-        handle = _SEGMENTS.get(kv_caches[0].untyped_storage().data_ptr())
+        handle = SEGMENTS.get(kv_caches[0].untyped_storage().data_ptr())
         if handle is None:
             raise ValueError("the shm connector needs D's KV caches in shared memory: allocate them with "
                              "kvtransfer.shm_connector.allocate_shared_kv_caches() or "
@@ -155,15 +65,66 @@ class ShmReceiver(BaseReceiver):
             "layer_offsets": [t.data_ptr() - base for t in kv_caches],
             "scale_offsets": None if kv_scales is None else [t.data_ptr() - base for t in kv_scales],
         }
+        self._notes_dir = os.path.dirname(handle.path)
         bind = bind or f"ipc://{tempfile.gettempdir()}/{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}.sock"
         super().__init__(layout, kv_caches, kv_scales, bind, timeout_s=timeout_s)
 
-    def _accept_peer(self, peer: bytes, sender_id: str) -> tuple[dict[str, Any], Any]:
-        return self._extra, None
+    def _setup(self) -> None:
+        # The ready fd becomes the note socket: P's notes and the I/O thread's wakes arrive on one fd.
+        self._ready.close()
+        self._notes = NoteSocket(self._notes_dir, FILE_PREFIX)
+        self._ready = self._notes  # type: ignore[assignment]  # the same rfd / wake / drain / close
+        self._extra["notes"] = self._notes.path
+
+    def _accept_peer(self, peer: bytes, hello: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        # The peer's state is the path of its note socket (None: acknowledge over ZMQ).
+        return self._extra, usable_peer_path((hello.get("extra") or {}).get("notes"), SHM_DIR, FILE_PREFIX)
+
+    def poll(self, timeout_ms: int = 0) -> list[TransferEvent]:
+        # Wait on the note socket, not the inbox: the notes arrive there (the I/O thread wakes it too).
+        if timeout_ms > 0 and not self._events and self._inbox.empty():
+            select.select([self._notes.rfd], [], [], timeout_ms / 1000)
+        return super().poll(0)
+
+    def _take_notes(self) -> list[Any]:
+        notes = self._notes.drain()
+        if not notes:
+            return []
+        with self._peers_lock:
+            by_path = {info.state: info for info in self.peers.values() if info.state}
+        items: list[Any] = []
+        for data, path in notes:
+            info = by_path.get(path)
+            if info is None:
+                self.drops("note_from_unknown_sender", path=path[:120])
+                continue
+            info.stale = False
+            try:
+                for frame in unpack_notes(data):
+                    t_ns = time.monotonic_ns()
+                    msg = wire.decode(frame)
+                    if msg["type"] == "kv":
+                        items.append(self._arrival(info.identity, wire.parse_kv(msg, self.layout), t_ns))
+                    elif msg["type"] == "done":
+                        items.append(Control(info.identity, msg, t_ns))
+                    else:
+                        raise wire.ProtocolError(f"note: unexpected {msg['type']} message")
+            except wire.ProtocolError as exc:  # what came before the bad frame stands; the rest is dropped
+                self.drops(str(exc).split(":")[0][:40], detail=str(exc)[:200])
+        return items
+
+    def _send_ack(self, peer: bytes, data: bytes) -> None:
+        with self._peers_lock:
+            info = self.peers.get(peer)
+        if info is None or info.state is None or not self._notes.send(pack_notes([data]), info.state):
+            self._send(peer, data)
 
     def _on_kv(self, peer: bytes, info: Peer, header: wire.KVHeader, frames: list[zmq.Frame], t_ns: int) -> None:
         if frames:
             raise wire.ProtocolError(f"kv: shm notifications carry no payload, got {len(frames)} frames")
+        self._notify(self._arrival(peer, header, t_ns))  # wakes a poll() waiting on the note socket
+
+    def _arrival(self, peer: bytes, header: wire.KVHeader, t_ns: int) -> Arrival:
         error = None
         if header.checksum is not None and max(header.dest_block_ids) < self.num_blocks:
             data = gather(self.ops, self.kv_caches[header.layer], header.dest_block_ids)
@@ -171,7 +132,7 @@ class ShmReceiver(BaseReceiver):
                                                                header.dest_block_ids)
             if wire.payload_crc(data, scale) != header.checksum:
                 error = "checksum mismatch"
-        self._inbox.put(Arrival(peer, header, None, None, t_ns, error))
+        return Arrival(peer, header, None, None, t_ns, error)
 
 
 @dataclass(slots=True)
@@ -181,11 +142,90 @@ class _Mapped:
     buffer: torch.Tensor
     caches: list[torch.Tensor]
     scales: list[torch.Tensor] | None
+    notes: str | None  # D's note socket, if reachable from here
 
 
 class ShmSender(BaseSender):
     connector_name = "shm"
     defer_notifications = True
+
+    def __init__(self, layout: CacheLayout, device: torch.device | str = "cpu", *, checksum: bool = False) -> None:
+        try:
+            self._notes: NoteSocket | None = NoteSocket(SHM_DIR, FILE_PREFIX)
+        except OSError:  # no shared-memory directory here: everything goes over ZMQ
+            self._notes = None
+        self._note_receivers: dict[str, str] = {}  # D's note path -> its address (I/O thread reads it)
+        self._batch: list[tuple[_Conn, str, Outgoing]] | None = None  # a finish's notes, under the lock
+        super().__init__(layout, device, checksum=checksum)
+
+    def _hello_extra(self) -> dict[str, Any] | None:
+        return None if self._notes is None else {"notes": self._notes.path}
+
+    def _extra_fds(self) -> list[int]:
+        return [] if self._notes is None else [self._notes.rfd]
+
+    def _on_fd_ready(self, fd: int) -> None:
+        """I/O thread: D's acknowledgements, from the note socket of a receiver we handshook with."""
+        assert self._notes is not None
+        for data, path in self._notes.drain():
+            address = self._note_receivers.get(path)
+            if address is None:
+                self._drops("note_from_unknown_receiver", path=path[:120])
+                continue
+            try:
+                msgs = [wire.decode(frame) for frame in unpack_notes(data)]
+            except wire.ProtocolError as exc:
+                self._drops("malformed_note", detail=str(exc)[:200])
+                continue
+            for msg in msgs:
+                if msg["type"] != "done_ack":
+                    self._drops("unexpected_note", type=msg["type"])
+                elif self._finishing_to.get(msg["request_id"]) == address:  # only the receiver it went to answers
+                    self._on_done_ack(msg)
+
+    def finish_async(self, request_id: str, address: str | None = None,
+                     result: dict[str, Any] | None = None) -> Future:
+        # The held notifications and the done leave together, as one datagram: D wakes once, with everything.
+        with self._lock:
+            self._batch = []
+            try:
+                fut = super().finish_async(request_id, address, result)
+            finally:
+                batch, self._batch = self._batch, None
+            if batch:
+                self._send_notes(batch)
+        return fut
+
+    def _send(self, conn: _Conn, address: str, item: Outgoing) -> None:
+        if conn.state.notes is not None and self._notes is not None and item.kind in ("kv", "done") \
+                and not item.frames:
+            if self._batch is not None:
+                self._batch.append((conn, address, item))
+            else:
+                self._send_notes([(conn, address, item)])
+            return
+        super()._send(conn, address, item)
+
+    def _send_notes(self, items: list[tuple[_Conn, str, Outgoing]]) -> None:
+        """Caller holds the lock: one receiver's notes as one datagram, or (its socket unreachable or
+        full, the notes too big) over ZMQ, in order."""
+        conn = items[0][0]
+        if self._notes is not None and self._notes.send(pack_notes([item.header for _, _, item in items]),
+                                                        conn.state.notes):
+            with self._book:
+                self.stats.bytes_sent += sum(item.nbytes for _, _, item in items)
+            return
+        for conn, address, item in items:
+            super()._send(conn, address, item)
+
+    def _close_state(self, state: _Mapped) -> None:
+        if state.notes is not None:
+            self._note_receivers.pop(state.notes, None)
+
+    def close(self) -> None:
+        super().close()
+        if self._notes is not None:
+            self._notes.close()
 
     def _on_connected(self, address: str, extra: dict[str, Any]) -> _Mapped:
         path, nbytes, num_blocks = extra.get("path"), extra.get("nbytes"), extra.get("num_blocks")
@@ -199,8 +239,11 @@ class ShmSender(BaseSender):
             raise ValueError(f"shared KV segment {path} is missing or has the wrong size: is the receiver "
                              f"on this host (the shm connector only works within one host)?")
         buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        caches, scales = _views(buffer, self.layout, num_blocks, layer_offsets, scale_offsets)
-        return _Mapped(buffer, caches, scales)
+        caches, scales = views(buffer, self.layout, num_blocks, layer_offsets, scale_offsets)
+        notes = usable_peer_path(extra.get("notes"), os.path.dirname(path), FILE_PREFIX)
+        if notes is not None:
+            self._note_receivers[notes] = address
+        return _Mapped(buffer, caches, scales, notes)
 
     def _pack(self, state: _Mapped, request_id: str, layer: int, kv_cache: torch.Tensor,
               kv_scale: torch.Tensor | None, src: list[int], dest: list[int], borrow: bool) -> Outgoing:
@@ -267,7 +310,7 @@ class ShmConnector(KVConnector):
         return caches, scales
 
     def free_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        handle = _SEGMENTS.get(kv_caches[0].untyped_storage().data_ptr()) if kv_caches else None
+        handle = SEGMENTS.get(kv_caches[0].untyped_storage().data_ptr()) if kv_caches else None
         if handle is not None:
             handle.close()
 

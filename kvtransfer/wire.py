@@ -6,7 +6,7 @@ Every message is one msgpack map with `type` and `v`; KV data follows the header
 ever pickled. `decode` + `parse_kv` reject anything malformed with `ProtocolError`, whose text goes
 to the log (and back to the peer for a bad handshake).
 
-    hello       sender -> receiver   connector, sender_id, layout, data_id (identity of its data socket)
+    hello       sender -> receiver   connector, sender_id, layout, data_id (identity of its data socket), extra
     hello_ok    receiver -> sender   layout, extra (connector specific: shm segment, store address)
     kv_error    receiver -> sender   reason (the handshake is refused)
     kv          sender -> receiver   request_id, layer, dest_block_ids, dtype, shape, scale_shape, checksum, tag
@@ -41,6 +41,7 @@ class Hello:
     sender_id: Id
     layout: Map
     data_id: Blob | None
+    extra: Map | None = None  # connector specific (shm: the sender's note socket)
 
 
 @message("hello_ok")

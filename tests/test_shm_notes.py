@@ -1,0 +1,99 @@
+"""The shm connector's notes (kvtransfer/shm_notes.py), in one process: a transfer's merged `kv`
+notification and its `done` go to D's caller as one datagram and the `done_ack` comes back as one;
+when either note socket is unreachable the same transfer completes over ZMQ; garbage datagrams, from
+strangers or from the handshaken peer's own socket, are dropped without hurting the transfers after them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import msgpack
+import pytest
+import torch
+
+from kvtransfer import CONNECTORS, CacheLayout, TransferDone, TransferFailed, wire
+from kvtransfer.shm_notes import pack_notes
+
+LAYOUT = CacheLayout("tiny", "float32", "float32", block_size=4, num_layers=4, num_kv_heads=2, head_dim=8)
+
+
+@pytest.fixture
+def pair():
+    c = CONNECTORS["shm"](timeout_s=30)
+    caches, scales = c.allocate_kv_caches(LAYOUT, 16)
+    rx = c.make_receiver(LAYOUT, caches, scales)
+    tx = c.make_sender(LAYOUT, "cpu")
+    tx.connect(rx.address)
+    yield tx, rx, caches
+    tx.close()
+    rx.close()
+    c.free_kv_caches(caches)
+
+
+def _transfer(tx, rx, caches, rid: str, dest: list[int]) -> list:
+    src = torch.randn(8, *LAYOUT.block_shape)
+    rx.expect(rid, dest)
+    for layer in range(LAYOUT.num_layers):
+        tx.send_layer(rx.address, rid, layer, src, None, list(range(len(dest))), dest)
+    fut = tx.finish_async(rid)
+    events: list = []
+    deadline = time.monotonic() + 10
+    while not any(isinstance(e, (TransferDone, TransferFailed)) for e in events) and time.monotonic() < deadline:
+        events += rx.poll(50)
+    assert [type(e) for e in events if isinstance(e, (TransferDone, TransferFailed))] == [TransferDone], events
+    assert fut.result(timeout=10) is True
+    assert all(torch.equal(caches[layer][dest], src[:len(dest)]) for layer in range(LAYOUT.num_layers))
+    return events
+
+
+def test_a_transfer_is_one_datagram_each_way(pair) -> None:
+    tx, rx, caches = pair
+    sent_before = tx.stats.bytes_sent
+    _transfer(tx, rx, caches, "r1", [3, 4, 9])
+    assert tx._notes.sent == 1  # the merged notification and the done, together
+    assert rx._notes.sent == 1  # the acknowledgement
+    assert tx.stats.bytes_sent - sent_before == 3 * LAYOUT.block_nbytes * LAYOUT.num_layers
+    assert os.stat(rx._notes.path).st_mode & 0o777 == 0o600 and os.stat(tx._notes.path).st_mode & 0o777 == 0o600
+
+
+def test_unreachable_note_sockets_fall_back_to_zmq(pair) -> None:
+    tx, rx, caches = pair
+    os.unlink(rx._notes.path)  # D's socket no longer reachable by name: P's notes take the data socket
+    _transfer(tx, rx, caches, "r1", [5, 6])
+    assert tx._notes.sent == 0 and rx._notes.sent == 1
+    os.unlink(tx._notes.path)  # and P's: D's acknowledgement goes through its I/O thread
+    _transfer(tx, rx, caches, "r2", [7])
+    assert tx._notes.sent == 0 and rx._notes.sent == 1
+
+
+def test_garbage_notes_are_dropped_and_transfers_go_on(pair) -> None:
+    tx, rx, caches = pair
+    stranger = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        stranger.sendto(pack_notes([wire.encode("done", request_id="x", messages=0, bytes=0, result={})]),
+                        rx._notes.path)
+        stranger.sendto(pack_notes([wire.encode("done_ack", request_id="r1", ok=True, reason="")]), tx._notes.path)
+    finally:
+        stranger.close()
+    peer = tx._notes._sock  # the handshaken sender's own socket, sending what no sender would
+    for junk in (b"\x00garbage", msgpack.packb([1, 2]), msgpack.packb([]), pack_notes([b"\xc1"]),
+                 pack_notes([wire.encode("cancel_ack", request_id="x")]), os.urandom(70_000)[:65_000]):
+        peer.sendto(junk, rx._notes.path)
+    rx.expect("ghost", [1])  # a done whose counts do not match what arrived: the request fails, P is told
+    peer.sendto(pack_notes([wire.encode("done", request_id="ghost", messages=0, bytes=0, result={})]),
+                rx._notes.path)
+    events = []
+    deadline = time.monotonic() + 5
+    while not any(isinstance(e, TransferFailed) for e in events) and time.monotonic() < deadline:
+        events += rx.poll(50)
+    assert [e.request_id for e in events if isinstance(e, TransferFailed)] == ["ghost"]
+    _transfer(tx, rx, caches, "r1", [2, 8])
+    assert rx.drops.counts.get("note_from_unknown_sender") == 1
+    assert sum(rx.drops.counts.values()) >= 7, rx.drops.counts
+    deadline = time.monotonic() + 5
+    while "note_from_unknown_receiver" not in tx._drops.counts and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tx._drops.counts.get("note_from_unknown_receiver") == 1
