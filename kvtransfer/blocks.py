@@ -23,9 +23,9 @@ def _streaming_copy():
 
 
 def _plain_cpu(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Both contiguous CPU tensors of one dtype: a run of blocks is one span of bytes in each."""
+    """Both contiguous CPU tensors of one dtype and block size: a run of blocks is one span of bytes in each."""
     return (dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype
-            and dst.is_contiguous() and src.is_contiguous())
+            and dst.is_contiguous() and src.is_contiguous() and dst.stride(0) == src.stride(0))
 
 
 def block_runs(dst_ids: list[int], src_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -97,12 +97,15 @@ def copy_blocks(
     runs = block_runs(dst_ids, src_ids)
     if len(runs) <= MAX_SLICE_RUNS:
         stream = _streaming_copy() if streaming and _plain_cpu(dst, src) else None
+        if stream is not None:  # contiguous: block i starts i blocks' bytes in (no view tensor per run)
+            block = dst.stride(0) * dst.element_size()
+            dst_base, src_base = dst.data_ptr(), src.data_ptr()
         for d, s, n in runs:
             if stream is not None:  # raw addresses: the bounds a slice copy would enforce, checked here
                 if min(d, s) < 0 or d + n > dst.shape[0] or s + n > src.shape[0]:
                     raise IndexError(f"blocks {d}..{d + n - 1} / {s}..{s + n - 1} outside caches of "
                                      f"{dst.shape[0]} / {src.shape[0]} blocks")
-                stream(dst[d].data_ptr(), src[s].data_ptr(), n * dst[0].nbytes)
+                stream(dst_base + d * block, src_base + s * block, n * block)
             else:
                 dst[d:d + n].copy_(src[s:s + n])
         return
