@@ -195,8 +195,8 @@ class KVReceiver(ABC):
     @property
     def ready_fd(self) -> int | None:
         """A file descriptor that turns readable when poll() has a transfer's end to report (a `done`,
-        a cancel, a failed sender), for a caller's own select/zmq.Poller; poll() clears it. None: the
-        connector offers none (the caller polls on a timer)."""
+        a cancel, a failed sender; shm: any note from a sender), for a caller's own select/zmq.Poller;
+        poll() clears it. None: the connector offers none (the caller polls on a timer)."""
         return None
 
     @abstractmethod
