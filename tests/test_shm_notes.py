@@ -11,27 +11,13 @@ import socket
 import time
 
 import msgpack
-import pytest
+import test_shm_notifications
 import torch
 
-from kvtransfer import CONNECTORS, CacheLayout, TransferDone, TransferFailed, wire
+from kvtransfer import TransferDone, TransferFailed, wire
 from kvtransfer.shm_notes import pack_notes
 
-LAYOUT = CacheLayout("tiny", "float32", "float32", block_size=4, num_layers=4, num_kv_heads=2, head_dim=8)
-
-
-@pytest.fixture
-def pair():
-    c = CONNECTORS["shm"](timeout_s=30)
-    caches, scales = c.allocate_kv_caches(LAYOUT, 16)
-    rx = c.make_receiver(LAYOUT, caches, scales)
-    tx = c.make_sender(LAYOUT, "cpu")
-    tx.connect(rx.address)
-    yield tx, rx, caches
-    tx.close()
-    rx.close()
-    c.free_kv_caches(caches)
-
+LAYOUT, pair = test_shm_notifications.LAYOUT, test_shm_notifications.pair  # the same in-process P/D pair fixture
 
 def _transfer(tx, rx, caches, rid: str, dest: list[int]) -> list:
     src = torch.randn(8, *LAYOUT.block_shape)
