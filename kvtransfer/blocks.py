@@ -23,9 +23,9 @@ def _streaming_copy():
 
 
 def _plain_cpu(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Both contiguous CPU tensors of one dtype and block size: a run of blocks is one span of bytes in each."""
+    """Both contiguous CPU tensors of one dtype and block shape: a run of blocks is one span of bytes in each."""
     return (dst.device.type == src.device.type == "cpu" and dst.dtype == src.dtype
-            and dst.is_contiguous() and src.is_contiguous() and dst.stride(0) == src.stride(0))
+            and dst.is_contiguous() and src.is_contiguous() and dst.shape[1:] == src.shape[1:])
 
 
 def block_runs(dst_ids: list[int], src_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -98,7 +98,7 @@ def copy_blocks(
     if len(runs) <= MAX_SLICE_RUNS:
         stream = _streaming_copy() if streaming and _plain_cpu(dst, src) else None
         if stream is not None:  # contiguous: block i starts i blocks' bytes in (no view tensor per run)
-            block = dst.stride(0) * dst.element_size()
+            block = dst[0].numel() * dst.element_size()  # not stride(0): a one-block view may have any
             dst_base, src_base = dst.data_ptr(), src.data_ptr()
         for d, s, n in runs:
             if stream is not None:  # raw addresses: the bounds a slice copy would enforce, checked here

@@ -65,6 +65,7 @@ class SenderIO:
     _book: threading.RLock
     _requests: dict
     _finishing: dict[str, Future]
+    _finishing_to: dict[str, str]
     _commands: queue.SimpleQueue
     _links: dict[str, Link]
     _drops: DropLog
@@ -157,12 +158,14 @@ class SenderIO:
             link.pending.append(Outgoing(args[1], wire.encode("cancel", request_id=args[1]), "control"))
         return True
 
-    def _on_done_ack(self, msg: dict[str, Any]) -> None:
+    def _on_done_ack(self, msg: dict[str, Any], address: str) -> None:
+        """D at `address` answered a finish: only the receiver the request went to resolves it (a stale
+        answer from another must not settle a retried request's transfer)."""
         if not msg["ok"]:
             log.warning("kv_transfer_refused", request_id=msg["request_id"], reason=msg["reason"])
         with self._book:  # not _lock: a copy in progress holds that
             fut = self._finishing.get(msg["request_id"])
-            if fut is not None and not fut.done():
+            if fut is not None and not fut.done() and self._finishing_to.get(msg["request_id"]) == address:
                 fut.set_result(msg["ok"])
 
     def _drop_queued(self, link: Link, request_id: str) -> None:
@@ -202,7 +205,7 @@ class SenderIO:
                 else:
                     link.hello.set_exception(HandshakeError(f"{link.address} refused the handshake: {msg['reason']}"))
             elif kind == "done_ack":
-                self._on_done_ack(msg)
+                self._on_done_ack(msg, link.address)
             elif kind == "cancel":
                 rid = msg["request_id"]
                 with self._lock:  # waits out an shm write in progress: after this none starts

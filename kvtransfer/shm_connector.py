@@ -32,7 +32,7 @@ from kvtransfer.blocks import copy_blocks, gather
 from kvtransfer.common import Arrival, Control, check_caches
 from kvtransfer.receiver import BaseReceiver, Peer, TransferEvent
 from kvtransfer.sender import BaseSender, Outgoing, _Conn
-from kvtransfer.shm_notes import NoteSocket, pack_notes, unpack_notes, usable_peer_path
+from kvtransfer.shm_notes import MAX_FRAMES, NoteSocket, pack_notes, unpack_notes, usable_peer_path
 from kvtransfer.shm_segment import (  # noqa: F401  (re-exported: the segment's API under the connector's name)
     FILE_PREFIX,
     SEGMENTS,
@@ -71,9 +71,15 @@ class ShmReceiver(BaseReceiver):
 
     def _setup(self) -> None:
         # The ready fd becomes the note socket: P's notes and the I/O thread's wakes arrive on one fd.
+        try:
+            self._notes: NoteSocket | None = NoteSocket(self._notes_dir, FILE_PREFIX)
+        except OSError:  # e.g. a segment directory whose path is too long for a socket: all over ZMQ
+            self._notes = None
+            return
         self._ready.close()
-        self._notes = NoteSocket(self._notes_dir, FILE_PREFIX)
         self._ready = self._notes  # type: ignore[assignment]  # the same rfd / wake / drain / close
+        self._waiter = select.poll()  # not select.select: a serving process's fds pass 1024
+        self._waiter.register(self._notes.rfd, select.POLLIN)
         self._extra["notes"] = self._notes.path
 
     def _accept_peer(self, peer: bytes, hello: dict[str, Any]) -> tuple[dict[str, Any], Any]:
@@ -82,11 +88,15 @@ class ShmReceiver(BaseReceiver):
 
     def poll(self, timeout_ms: int = 0) -> list[TransferEvent]:
         # Wait on the note socket, not the inbox: the notes arrive there (the I/O thread wakes it too).
+        if self._notes is None:
+            return super().poll(timeout_ms)
         if timeout_ms > 0 and not self._events and self._inbox.empty():
-            select.select([self._notes.rfd], [], [], timeout_ms / 1000)
+            self._waiter.poll(timeout_ms)
         return super().poll(0)
 
     def _take_notes(self) -> list[Any]:
+        if self._notes is None:
+            return super()._take_notes()
         notes = self._notes.drain()
         if not notes:
             return []
@@ -116,7 +126,8 @@ class ShmReceiver(BaseReceiver):
     def _send_ack(self, peer: bytes, data: bytes) -> None:
         with self._peers_lock:
             info = self.peers.get(peer)
-        if info is None or info.state is None or not self._notes.send(pack_notes([data]), info.state):
+        if info is None or info.state is None or self._notes is None or not self._notes.send(
+                pack_notes([data]), info.state):
             self._send(peer, data)
 
     def _on_kv(self, peer: bytes, info: Peer, header: wire.KVHeader, frames: list[zmq.Frame], t_ns: int) -> None:
@@ -180,8 +191,8 @@ class ShmSender(BaseSender):
             for msg in msgs:
                 if msg["type"] != "done_ack":
                     self._drops("unexpected_note", type=msg["type"])
-                elif self._finishing_to.get(msg["request_id"]) == address:  # only the receiver it went to answers
-                    self._on_done_ack(msg)
+                else:
+                    self._on_done_ack(msg, address)
 
     def finish_async(self, request_id: str, address: str | None = None,
                      result: dict[str, Any] | None = None) -> Future:
@@ -208,10 +219,10 @@ class ShmSender(BaseSender):
 
     def _send_notes(self, items: list[tuple[_Conn, str, Outgoing]]) -> None:
         """Caller holds the lock: one receiver's notes as one datagram, or (its socket unreachable or
-        full, the notes too big) over ZMQ, in order."""
+        full, the notes too big or too many: a checksummed 64-layer model's) over ZMQ, in order."""
         conn = items[0][0]
-        if self._notes is not None and self._notes.send(pack_notes([item.header for _, _, item in items]),
-                                                        conn.state.notes):
+        if len(items) < MAX_FRAMES and self._notes is not None and self._notes.send(
+                pack_notes([item.header for _, _, item in items]), conn.state.notes):
             with self._book:
                 self.stats.bytes_sent += sum(item.nbytes for _, _, item in items)
             return

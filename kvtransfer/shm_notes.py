@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+import weakref
 
 import msgpack
 
@@ -52,7 +53,12 @@ class NoteSocket:
     def __init__(self, directory: str, prefix: str) -> None:
         self.path = os.path.join(directory, f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:12]}{SUFFIX}")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.bind(self.path)
+        try:
+            self._sock.bind(self.path)  # OSError: no such directory, or a path too long for a socket
+        except OSError:
+            self._sock.close()
+            raise
+        self._unlink = weakref.finalize(self, _remove, self.path)  # also at a normal exit without close()
         os.chmod(self.path, 0o600)
         self._sock.setblocking(False)
         self._waker = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -100,10 +106,14 @@ class NoteSocket:
     def close(self) -> None:
         self._sock.close()
         self._waker.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self._unlink()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def usable_peer_path(path: object, directory: str, prefix: str) -> str | None:

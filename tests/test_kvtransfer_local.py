@@ -150,6 +150,13 @@ def test_streaming_block_copy_equals_a_plain_copy() -> None:
         with pytest.raises(IndexError):
             copy_blocks(ops, dst, dst_ids, src, src_ids, streaming=True)
     assert torch.equal(dst[2:27], src[:25]) and dst[27:].abs().sum() == 0  # nothing written
+    # one-block views whose stride(0) is not a block (is_contiguous ignores a size-1 dimension's stride):
+    # the block's size comes from its shape, so nothing past the block is written
+    wide = torch.zeros(4, 32)
+    one = wide.as_strided((1, 2, 8), (64, 8, 1))  # contiguous as far as torch says
+    source = torch.arange(128.0).view(4, 32).as_strided((1, 2, 8), (64, 8, 1))  # the same strides
+    copy_blocks(ops, one, [0], source, [0], streaming=True)
+    assert torch.equal(wide[0, :16], torch.arange(16.0)) and wide[0, 16:].abs().sum() == 0 and wide[1:].abs().sum() == 0
 
 
 def test_a_wake_during_drain_is_not_lost(monkeypatch) -> None:

@@ -1,7 +1,8 @@
 """The shm connector's notes (kvtransfer/shm_notes.py), in one process: a transfer's merged `kv`
 notification and its `done` go to D's caller as one datagram and the `done_ack` comes back as one;
 when either note socket is unreachable the same transfer completes over ZMQ; garbage datagrams, from
-strangers or from the handshaken peer's own socket, are dropped without hurting the transfers after them.
+strangers or from the handshaken peer's own socket, are dropped without hurting the transfers after them;
+more notes than a datagram carries, and a segment path too long for a socket, take ZMQ.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import socket
 import time
 
 import msgpack
+import pytest
 import test_shm_notifications
 import torch
 
-from kvtransfer import TransferDone, TransferFailed, wire
+from kvtransfer import CONNECTORS, CacheLayout, TransferDone, TransferFailed, wire
 from kvtransfer.shm_notes import pack_notes
 
 LAYOUT, pair = test_shm_notifications.LAYOUT, test_shm_notifications.pair  # the same in-process P/D pair fixture
@@ -37,6 +39,7 @@ def _transfer(tx, rx, caches, rid: str, dest: list[int]) -> list:
 
 def test_a_transfer_is_one_datagram_each_way(pair) -> None:
     tx, rx, caches = pair
+    tx.HOLD_S = 60.0  # a slow machine must not release the held notifications early (a second datagram)
     sent_before = tx.stats.bytes_sent
     _transfer(tx, rx, caches, "r1", [3, 4, 9])
     assert tx._notes.sent == 1  # the merged notification and the done, together
@@ -68,6 +71,7 @@ def test_garbage_notes_are_dropped_and_transfers_go_on(pair) -> None:
     for junk in (b"\x00garbage", msgpack.packb([1, 2]), msgpack.packb([]), pack_notes([b"\xc1"]),
                  pack_notes([wire.encode("cancel_ack", request_id="x")]), os.urandom(70_000)[:65_000]):
         peer.sendto(junk, rx._notes.path)
+    rx.poll(0)  # drained: a Unix datagram queue holds ~10 by default, and a full one refuses the next send
     rx.expect("ghost", [1])  # a done whose counts do not match what arrived: the request fails, P is told
     peer.sendto(pack_notes([wire.encode("done", request_id="ghost", messages=0, bytes=0, result={})]),
                 rx._notes.path)
@@ -78,8 +82,57 @@ def test_garbage_notes_are_dropped_and_transfers_go_on(pair) -> None:
     assert [e.request_id for e in events if isinstance(e, TransferFailed)] == ["ghost"]
     _transfer(tx, rx, caches, "r1", [2, 8])
     assert rx.drops.counts.get("note_from_unknown_sender") == 1
-    assert sum(rx.drops.counts.values()) >= 7, rx.drops.counts
+    assert sum(rx.drops.counts.values()) == 7, rx.drops.counts  # the stranger's and the six junk notes
     deadline = time.monotonic() + 5
     while "note_from_unknown_receiver" not in tx._drops.counts and time.monotonic() < deadline:
         time.sleep(0.01)
     assert tx._drops.counts.get("note_from_unknown_receiver") == 1
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_more_notes_than_a_datagram_takes_go_over_zmq(tmp_path, checksum: bool) -> None:
+    """Checksummed notifications are not merged: a 70-layer model's are 70 messages + the done, more than a
+    datagram may carry (MAX_FRAMES), so they take the data socket; merged, they are one datagram."""
+    layout = CacheLayout("deep", "float32", "float32", block_size=4, num_layers=70, num_kv_heads=1, head_dim=8)
+    c = CONNECTORS["shm"](timeout_s=30, checksum=checksum)
+    caches, scales = c.allocate_kv_caches(layout, 8)
+    rx, tx = c.make_receiver(layout, caches, scales), c.make_sender(layout, "cpu")
+    try:
+        tx.connect(rx.address)
+        src = torch.randn(4, *layout.block_shape)
+        rx.expect("r", [2, 3])
+        for layer in range(layout.num_layers):
+            tx.send_layer(rx.address, "r", layer, src, None, [0, 1], [2, 3])
+        fut = tx.finish_async("r")
+        events: list = []
+        deadline = time.monotonic() + 10
+        while not fut.done() and time.monotonic() < deadline:
+            events += rx.poll(20)
+        assert fut.result(timeout=1) is True and any(isinstance(e, TransferDone) for e in events)
+        assert tx._notes.sent == (0 if checksum else 1)
+        assert all(torch.equal(caches[layer][[2, 3]], src[:2]) for layer in range(layout.num_layers))
+    finally:
+        tx.close()
+        rx.close()
+        c.free_kv_caches(caches)
+
+
+def test_a_segment_path_too_long_for_a_socket_keeps_zmq(tmp_path) -> None:
+    """A segment directory whose path leaves no room for a socket name (108 bytes on Linux): the receiver
+    still starts and transfers complete, every message over ZMQ."""
+    from kvtransfer.shm_segment import allocate_shared_kv_caches
+
+    deep = tmp_path / ("d" * 90)
+    deep.mkdir()
+    caches, scales, handle = allocate_shared_kv_caches(LAYOUT, 16, directory=str(deep))
+    c = CONNECTORS["shm"](timeout_s=30)
+    rx, tx = c.make_receiver(LAYOUT, caches, scales), c.make_sender(LAYOUT, "cpu")
+    try:
+        assert rx._notes is None and "notes" not in rx._extra
+        tx.connect(rx.address)
+        _transfer(tx, rx, caches, "r", [4, 5])
+        assert tx._notes.sent == 0
+    finally:
+        tx.close()
+        rx.close()
+        handle.close()
