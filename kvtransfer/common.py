@@ -208,6 +208,16 @@ class PendingTransfer:
     done: tuple[int, int] | None = None
     result: dict = field(default_factory=dict)  # the sender's completion map (a prefill worker: first token)
 
+    def problem(self) -> str:
+        """Once the `done` and every message it counts arrived: "" if the transfer is whole, else why not."""
+        assert self.done is not None
+        if self.messages != self.done[0] or self.nbytes != self.done[1]:
+            return (f"sender sent {self.done[0]} messages / {self.done[1]} bytes, "
+                    f"received {self.messages} / {self.nbytes}")
+        missing = [layer for layer, got in enumerate(self.covered) if len(got) != len(self.dest_ids)]
+        return f"incomplete: layers {missing[:8]} lack some of the {len(self.dest_ids)} expected blocks" \
+            if missing else ""
+
 
 @dataclass(slots=True)
 class Fence:

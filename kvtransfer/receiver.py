@@ -245,13 +245,7 @@ class BaseReceiver(ReceiverIO, KVReceiver):
     def _try_complete(self, rid: str, req: PendingTransfer) -> None:
         if req.done is None or req.messages < req.done[0]:
             return  # torch_dist payloads may trail the done message
-        missing = [layer for layer, got in enumerate(req.covered) if len(got) != len(req.dest_ids)]
-        reason = ""
-        if req.messages != req.done[0] or req.nbytes != req.done[1]:
-            reason = (f"sender sent {req.done[0]} messages / {req.done[1]} bytes, "
-                      f"received {req.messages} / {req.nbytes}")
-        elif missing:
-            reason = f"incomplete: layers {missing[:8]} lack some of the {len(req.dest_ids)} expected blocks"
+        reason = req.problem()
         del self._requests[rid]
         if reason:
             self._events.append(TransferFailed(rid, reason))

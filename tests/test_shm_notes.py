@@ -2,7 +2,8 @@
 notification and its `done` go to D's caller as one datagram and the `done_ack` comes back as one;
 when either note socket is unreachable the same transfer completes over ZMQ; garbage datagrams, from
 strangers or from the handshaken peer's own socket, are dropped without hurting the transfers after them;
-more notes than a datagram carries, and a segment path too long for a socket, take ZMQ.
+more notes than a datagram carries, more transfers ending than D's note queue holds while D is busy, and a
+segment path too long for a socket, take ZMQ.
 """
 
 from __future__ import annotations
@@ -87,6 +88,32 @@ def test_garbage_notes_are_dropped_and_transfers_go_on(pair) -> None:
     while "note_from_unknown_receiver" not in tx._drops.counts and time.monotonic() < deadline:
         time.sleep(0.01)
     assert tx._drops.counts.get("note_from_unknown_receiver") == 1
+
+
+def test_transfers_ending_while_d_is_busy_overflow_to_zmq(pair) -> None:
+    """D in a long step reads no notes: once its queue is full (net.unix.max_dgram_qlen, 10 by default), P's
+    next `done`s are refused as datagrams and go over ZMQ. Every transfer still completes, once each."""
+    tx, rx, caches = pair
+    n = 14
+    src = torch.randn(n, *LAYOUT.block_shape)
+    futs = []
+    for i in range(n):
+        rx.expect(f"r{i}", [i + 1])
+    for i in range(n):  # D does not poll meanwhile
+        for layer in range(LAYOUT.num_layers):
+            tx.send_layer(rx.address, f"r{i}", layer, src, None, [i], [i + 1])
+        futs.append(tx.finish_async(f"r{i}"))
+    with open("/proc/sys/net/unix/max_dgram_qlen") as f:
+        qlen = int(f.read())
+    if qlen + 1 < n:
+        assert tx._notes.sent < n  # the rest were refused: full queue
+    done: list = []
+    deadline = time.monotonic() + 10
+    while len(done) < n and time.monotonic() < deadline:
+        done += [e.request_id for e in rx.poll(50) if isinstance(e, (TransferDone, TransferFailed))]
+    assert sorted(done) == sorted(f"r{i}" for i in range(n))
+    assert [f.result(timeout=10) for f in futs] == [True] * n
+    assert all(torch.equal(caches[layer][i + 1], src[i]) for layer in range(LAYOUT.num_layers) for i in range(n))
 
 
 @pytest.mark.parametrize("checksum", [True, False])
