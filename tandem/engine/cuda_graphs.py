@@ -155,10 +155,12 @@ class DecodeGraphs:
 
 
 def graphs_for(runner, decode: list, prefill: list, decode_q: int) -> DecodeGraphs | None:
-    """The runner's graphs when this step can replay one (decode rows only, a size it may capture,
+    """The runner's graphs when this step can replay one (decode rows only, none of them a new short prompt —
+    a graph per prompt length captured at first use would cost more than it saves —, a size it may capture,
     nothing watching the forward per layer: a P/D layer hook), else None."""
     if (not runner.use_graphs or prefill or not decode or runner.layer_hook is not None
-            or DecodeGraphs.size_for(len(decode), decode_q) is None):
+            or DecodeGraphs.size_for(len(decode), decode_q) is None
+            or any(s.request.num_computed_tokens == 0 for s in decode)):
         return None
     graphs = runner.decode_graphs
     if graphs is not None and graphs.failed and graphs.fits(runner.kv_caches, runner.kv_scales):
