@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import runpy
 import shutil
 import signal
@@ -268,3 +269,23 @@ def test_up_passes_the_parsers_to_the_router_and_refuses_unknown_ones(capsys):
         with pytest.raises(SystemExit) as exit_:
             build_parser().parse_args([command, "--reasoning-parser", "granite"])
         assert exit_.value.code == 2 and "--reasoning-parser" in capsys.readouterr().err
+
+
+def test_log_level_reaches_the_router_and_every_worker(tmp, llm):
+    """`tandem up --log-level warning`: the children log no info lines (the per-request line included)
+    while serving; the default `up` above logs them (its relayed output has them)."""
+    proc, ready, _ = start_up(tmp, "quiet-logs", "--colocated", "--log-level", "warning")
+    try:
+        client = openai.OpenAI(base_url=ready["http"] + "/v1", api_key="x")
+        out = client.completions.create(model=client.models.list().data[0].id, prompt=[5, 6, 7], max_tokens=4,
+                                        temperature=0)
+        from tandem import SamplingParams
+
+        offline = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].text
+        assert out.choices[0].text == offline
+    finally:
+        proc.stop()
+    relayed = proc.log.read_text()
+    assert "[router]" in relayed and "[decode-0]" in relayed  # the children's own lines are relayed ...
+    assert not re.search(r"\[(router|decode-0)\].*(\"level\": \"info\"|\[info)", relayed), relayed[-2000:]
+    assert "request finished" not in relayed  # ... but none at info

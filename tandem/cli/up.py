@@ -41,6 +41,7 @@ from tandem.cli import cpus
 from tandem.cli.engine_args import add_engine_args, add_model_arg, engine_flags, resolve_model_path
 from tandem.cli.keys import add_link_args
 from tandem.cli.supervise import Supervisor, run_supervised, wait_healthy
+from tandem.observability.logging import LEVELS
 
 TETHER_GRACE_S = 15.0  # a tethered child that has not exited this long after its parent vanished is killed
 LOCAL_IF_BUSY = 512  # tokens: `tandem up`'s default --local-prefill-if-busy (see _local_if_busy)
@@ -93,6 +94,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the router splits <think> text into reasoning_content (see `tandem router --help`)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for every worker")
     p.add_argument("--quiet", action="store_true", help="do not relay the children's logs to stderr")
+    p.add_argument("--log-level", default=None, choices=LEVELS,
+                   help="the router's and every worker's minimum log level (default info; warning drops the "
+                        "line per request)")
+    p.add_argument("--log-prompts", action="store_true",
+                   help="the router and workers include prompt text in their logs (off: prompts may be private)")
     add_link_args(p)
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -148,10 +154,12 @@ def build_commands(args: argparse.Namespace, model: str) -> tuple[list[str], lis
         if value is not None:  # (TANDEM_LINK_KEYS / TANDEM_LINK_SECRET reach the children by inheritance)
             router += [flag, value]
             shared += [flag, value]
+    logs = (["--log-level", args.log_level] if args.log_level else []) + (["--log-prompts"] if args.log_prompts else [])
     if sys.stderr.isatty():
         # children write into our pipes, so they would pick JSON logs; we relay them to a person
-        router += ["--log-format", "console"]
-        shared += ["--log-format", "console"]
+        logs += ["--log-format", "console"]
+    router += logs
+    shared += logs
     workers = []
     for i in range(prefill):
         workers.append((f"prefill-{i}", "prefill", ["--kv-connector", args.kv_connector, *shared]))
