@@ -112,6 +112,17 @@ def test_openai_chat_stream_equals_offline(up, llm):
     assert worker_stats(up["workers"]["prefill-0"]["control"])["prefills"] >= 1  # P computed it
 
 
+def test_short_prompts_through_the_prefill_worker_equal_offline(up, llm):
+    """Prompts of 1-8 tokens run as decode rows (tandem/engine/decode_group.py), on P too, where the layer
+    hook pushes each layer's KV: D continues from it exactly."""
+    client = openai.OpenAI(base_url=f"{up['http']}/v1", api_key="none", max_retries=0)
+    before = worker_stats(up["workers"]["prefill-0"]["control"])["prefills"]
+    for prompt in ([9], [5, 6, 7], list(range(20, 28))):
+        out = client.completions.create(model=up["model"], prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert out.choices[0].text == llm.generate([prompt], greedy())[0].outputs[0].text, prompt
+    assert worker_stats(up["workers"]["prefill-0"]["control"])["prefills"] == before + 3  # P computed them
+
+
 def test_grpc_generate_stream_equals_offline(up, llm):
     from tandem.protocol import generation_pb2 as pb
 
