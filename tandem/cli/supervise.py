@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 STOP_GRACE_S = 40.0  # SIGTERM -> SIGKILL: the services' default drain (30 s) and a margin
 TAIL_LINES = 40  # a dead child's last lines, shown in the error report
@@ -81,8 +81,8 @@ class Supervisor:
 
     def _read(self, child: Child) -> None:
         assert child.popen.stdout is not None
-        for raw in iter(child.popen.stdout.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
+        for raw in _lines(child.popen.stdout.fileno()):
+            line = raw.decode("utf-8", "replace")
             with self._cond:
                 child.tail.append(line)
                 if not child.ready:
@@ -179,6 +179,18 @@ class Supervisor:
             _close_tether(child)
             if child.reader is not None:
                 child.reader.join(2.0)
+
+
+def _lines(fd: int) -> Iterator[bytes]:
+    """A child's output, line by line (without the newline), as the pipe delivers it. Read in chunks: the
+    unbuffered pipe's readline() read one byte per system call, ~0.6 ms of CPU per relayed log line (with
+    two lines a request, `tandem up --colocated` served 1-token requests at 8.5 ms p50 instead of ~5)."""
+    rest = b""
+    while chunk := os.read(fd, 65536):
+        *lines, rest = (rest + chunk).split(b"\n")
+        yield from lines
+    if rest:
+        yield rest
 
 
 def _close_tether(child: Child) -> None:
