@@ -77,3 +77,16 @@ def test_short_prompts_with_speculation(tmp_path) -> None:
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     assert outs == hf_greedy(path, prompts, GREEDY.max_tokens)
     llm.engine.check_invariants()
+
+
+@pytest.mark.parametrize("speculator", ["eagle", "draft_model"])
+def test_short_prompts_with_the_shipped_speculators(speculator) -> None:
+    """The shipped model with its EAGLE head / draft model: a 1-token prompt leaves the head its first
+    position only; greedy output equals the same model's without speculation."""
+    prompts = [[5], [5, 6, 7], [100, 200, 300, 400, 500, 600, 700, 800]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM().generate(prompts, params)]
+    llm = LLM(speculator=speculator, spec_max_batch=8)  # (the CPU default, 1, would switch it off here)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    assert llm.engine.speculator_stats()["num_drafted_tokens"] > 0
+    llm.engine.check_invariants()
