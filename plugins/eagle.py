@@ -116,6 +116,26 @@ class EagleRunner:
             if len(seq.features) > self.max_held_states:
                 seq.features = None  # recomputed if the request is speculated again
 
+    @torch.inference_mode()
+    def catch_up(self, requests: list[Request]) -> None:
+        """Run the head over each request's positions up to n-3 now — in the step that computed its prompt
+        (vLLM's drafter also runs in the prefill's step) — so its first proposal feeds one row, the decode
+        way, instead of the whole prompt at the start of its first decode step. Position n-2 pairs with
+        the token just sampled and is left to `propose`, whose first draft comes from its output."""
+        feed = []
+        for r in requests:
+            seq = self.seqs.setdefault(r.request_id, _HeadSeq())
+            c, hi = seq.num_computed_tokens, r.num_tokens - 2
+            if hi - c > MAX_DECODE_QUERY_LEN and self.kv.allocate(seq, hi - c):  # type: ignore[arg-type]
+                feed.append((r, r.token_ids[c + 1:hi + 1], self._features(r, c, hi + 1), c))
+        if not feed:
+            return
+        self._forward([(r, toks, f[:-1], c) for r, toks, f, c in feed], decode=False)
+        for r, toks, f, c in feed:  # keep f[n-2] only (propose feeds it), read once if it came from the cache
+            seq = self.seqs[r.request_id]
+            seq.num_computed_tokens = seq.feat_start = c + len(toks)
+            seq.features = f[-1:].clone()
+
     # ---- proposing -----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, requests: list[Request], ks: list[int]) -> tuple[dict[str, list[int]], dict[str, torch.Tensor]]:

@@ -118,6 +118,9 @@ class EagleSpeculator(Speculator):
     def observe_hidden_states(self, hidden: dict[str, tuple[int, torch.Tensor]]) -> None:
         self.runner.observe(hidden)
 
+    def catch_up(self, requests: Sequence[Request]) -> None:
+        self.runner.catch_up(list(requests))
+
     def warm_modules(self) -> list[torch.nn.Module]:
         return [self.runner.head]  # fc and its layer: its catch-up over a new prompt runs them at the prompt's size
 

@@ -246,7 +246,10 @@ class LLMEngine:
             self.current_schedule = None  # (a decode step later: TTFT + one step); no step ran: none to count
             return outputs  # the next call runs the step
         if self.speculator is not None:
-            self._speculate()
+            active = spec_decode.attach_proposals(self.speculator, self.scheduler.running, self.runner,
+                                                  self.config.spec_max_batch)
+            if active != self.spec_active:
+                self.spec_active, self.spec_switches = active, self.spec_switches + 1
         beam_rows = self.beams.schedule()  # beam groups' hypotheses, first: a group runs whole or not at all
         beam_tokens = sum(s.num_new_tokens for s in beam_rows)
         seats = self.scheduler.max_num_seqs if self.beams.starved else len(beam_rows)
@@ -262,6 +265,7 @@ class LLMEngine:
         roots = self.beams.take_roots(result.sampled) if self.beams.groups else []
         before = {s.request.request_id: s.request.num_tokens for s in out.scheduled}
         if self.speculator is not None:
+            prompts = spec_decode.prompts_completed(out.scheduled)  # before `update` moves what they computed
             spec_decode.cut_runs_at_stop_strings(result.sampled, result.logits, self.scheduler.requests,
                                                  self.outputs.detok, self.outputs.text)
         changed = self.scheduler.update(out, result.sampled)
@@ -272,13 +276,9 @@ class LLMEngine:
             outputs.append(self._output(req, new_ids))
         if beam_rows or roots:
             outputs += self.beams.advance(beam_rows, roots, result.logits)
+        if self.speculator is not None and len(self.scheduler.running) <= self.config.spec_max_batch:
+            self.speculator.catch_up([r for r in prompts if not r.finished])
         return outputs
-
-    def _speculate(self) -> None:
-        active = spec_decode.attach_proposals(self.speculator, self.scheduler.running, self.runner,  # type: ignore[arg-type]
-                                              self.config.spec_max_batch)
-        if active != self.spec_active:
-            self.spec_active, self.spec_switches = active, self.spec_switches + 1
 
     def speculator_stats(self) -> dict:
         """Speculative decoding counters (for the metrics endpoint); {} without a speculator."""

@@ -173,6 +173,12 @@ def build_speculator(config: Any, model_config: Any, max_model_len: int, runner:
     return spec
 
 
+def prompts_completed(scheduled: Sequence[Any]) -> list[Request]:
+    """The requests whose prompt (or recompute after a preemption) a step completes: several rows that
+    sample, not a decode row with its proposals. Read before the step's `update`."""
+    return [s.request for s in scheduled if s.samples and s.num_new_tokens > 1 + len(s.spec_token_ids)]
+
+
 def attach_proposals(spec: "Speculator", running: Sequence[Request], runner: Any, max_batch: int) -> bool:
     """Ask the speculator for proposals for the decoding requests; they ride along in this step's
     schedule (num_new_tokens = 1 + k) and the runner verifies them. Returns whether speculation is

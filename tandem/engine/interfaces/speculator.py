@@ -14,6 +14,7 @@ Contract with the engine (tandem/engine/llm_engine.py):
    hidden states of each token the pass computed (`observe_hidden_states`), speculated ones included:
    rows past `req.num_tokens - 2` once the step is applied belong to rejected tokens. Positions it never
    saw (a prefix-cache hit, a prompt prefilled elsewhere) it can recompute with `ctx.target.hidden_states`.
+6. `catch_up(requests)` after a step that computed prompts (see its docstring); optional.
 
 Implementations: plugins/speculators.py (`ngram`, `draft_model`, `eagle`) or a third-party plugin.
 """
@@ -76,6 +77,11 @@ class Speculator(ABC):
 
     def on_request_finished(self, request_id: str) -> None:  # noqa: B027 (optional hook)
         """The request finished or was aborted: free anything held for it."""
+
+    def catch_up(self, requests: Sequence[Request]) -> None:  # noqa: B027 (optional hook)
+        """Requests whose prompt this step computed (they decode next), while speculation is on: work on
+        the prompt that the first `propose` would do otherwise (EAGLE's head over it) can run now, in the
+        prefill's step, as vLLM's drafter does — not in the first decode step. Nothing by default."""
 
     def observe_hidden_states(self, hidden: dict[str, tuple[int, torch.Tensor]]) -> None:  # noqa: B027
         """request id -> (position of the first row, the target's final hidden states [n, H]) of the

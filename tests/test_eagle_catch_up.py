@@ -1,0 +1,84 @@
+"""EAGLE's head over a new prompt runs in the step that computed the prompt (`Speculator.catch_up`), not in
+the first decode step: after the prefill step the head holds positions 0..n-3, the first proposal feeds
+one row (every pass in C), and its drafts and head K/V are those of a head that caught up inside
+`propose` as before; with speculation off (more requests than spec_max_batch) nothing runs."""
+
+import pytest
+import torch
+from tiny_models import heldout_code
+
+from tandem import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow  # real models: deselected by -m 'not slow'
+
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def head_kv(runner, rid: str, n: int) -> list[torch.Tensor]:
+    """The head cache's K/V of positions 0..n-1 of a request, in position order."""
+    bt, bs = runner.seqs[rid].block_ids, runner.block_size
+    return [torch.stack([c[bt[p // bs], :, p % bs] for p in range(n)]) for c in runner.kv_caches]
+
+
+def spy(runner) -> dict:
+    """Count the head's Python passes and record how many tokens each C draft call starts from."""
+    seen: dict = {"forward": 0, "drafted_from": []}
+    forward, draft = runner._forward, runner.fused.draft
+
+    def counted_forward(*args, **kwargs):
+        seen["forward"] += 1
+        return forward(*args, **kwargs)
+
+    def recorded_draft(tokens, *args):
+        seen["drafted_from"].append(len(tokens))
+        return draft(tokens, *args)
+
+    runner._forward, runner.fused.draft = counted_forward, recorded_draft
+    return seen
+
+
+def test_prompt_is_caught_up_in_its_prefill_step():
+    llm = LLM(max_model_len=512, spec_max_batch=8, speculator="eagle", dtype="float32")
+    old = LLM(max_model_len=512, spec_max_batch=8, speculator="eagle", dtype="float32")
+    old.engine.speculator.catch_up = lambda requests: None  # the head catches up inside propose, as before
+    prompts = [llm.engine.tokenize(s)[:n] for s, n in zip(heldout_code(), (200, 120, 64, 19))]
+    runs = {}
+    for name, engine in (("new", llm.engine), ("old", old.engine)):
+        runner, seen = engine.speculator.runner, spy(engine.speculator.runner)
+        for prompt in prompts:
+            rid = engine.add_request(None, prompt, PARAMS)
+            engine.step()  # the prefill: first token sampled
+            req = engine.scheduler.requests[rid]
+            assert req.num_tokens == len(prompt) + 1
+            caught_up = runner.seqs[rid].num_computed_tokens if rid in runner.seqs else 0
+            forwards = seen["forward"]
+            engine.step()  # the first decode step: propose, verify
+            runs.setdefault(name, []).append((caught_up, seen["forward"] - forwards, seen["drafted_from"][-1],
+                                              req.token_ids[len(prompt):], head_kv(runner, rid, len(prompt) - 1)))
+            while engine.has_unfinished_requests():
+                engine.step()
+        engine.check_invariants()
+    for prompt, new, old_run in zip(prompts, runs["new"], runs["old"]):
+        # 0..n-3 in the prefill's step (n = prompt + first token), unless that is short enough for one decode row
+        assert new[0] == (len(prompt) - 1 if len(prompt) - 1 > 16 else 0)
+        assert old_run[0] == 0
+        if len(prompt) - 1 > 16:
+            assert new[1:3] == (0, 1)  # no Python pass: one row into the C draft loop
+            assert old_run[1] == 1  # the whole prompt through the head's Python pass first
+        assert new[3] == old_run[3]  # same tokens after the first decode step (drafts verified alike)
+        for a, b in zip(new[4], old_run[4]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == [o.token_ids for o in old.generate(prompts, PARAMS)]
+
+
+def test_nothing_is_caught_up_while_speculation_is_off():
+    """Two prompts in one step with spec_max_batch 1: speculation is off, so is the head's catch-up."""
+    llm = LLM(max_model_len=512, spec_max_batch=1, speculator="eagle", dtype="float32")
+    engine = llm.engine
+    prompts = [engine.tokenize(s)[:100] for s in heldout_code()[:2]]
+    for prompt in prompts:
+        engine.add_request(None, prompt, PARAMS)
+    engine.step()
+    seqs = engine.speculator.runner.seqs  # the target states were handed over (observe), the head ran on none
+    assert len(engine.scheduler.running) == 2 and len(seqs) == 2
+    assert all(seq.num_computed_tokens == 0 and not seq.block_ids for seq in seqs.values())
