@@ -4,7 +4,7 @@ same checkpoint, measured by one client -- vLLM's own `vllm bench serve` -- for 
     python -m bench.serve_peer --vllm-python /path/to/vllm-venv/bin/python \
         [--model DIR] [--rates 2,8[,inf]] [--num-prompts 40] [--input-len 256] [--output-len 64] [--range-ratio 0] \
         [--modes vllm,tandem-pd,tandem-colocated[,tandem-pd-cond]] [--omp-variants unset[,exported]] [--out FILE]
-        [--capacity-fractions 0.25,0.5,0.75] [--tandem-args "--max-num-seqs 128"]
+        [--capacity-fractions 0.25,0.5,0.75] [--tandem-args "--max-num-seqs 128"] [--repeats 2]
 
 Each mode starts its server as a child process group on 127.0.0.1 (free ports), waits for /health,
 sends a short warm-up burst, then for each rate runs `vllm bench serve --dataset-name random
@@ -35,6 +35,11 @@ every fraction f (the same rates and prompts for all; tandem's inf row is its ow
 to 512 tokens are prefilled on D while P is busy); `tandem-pd` turns that off (`--local-prefill-if-busy 0`:
 every prompt through P).
 
+`--repeats N` runs the whole set N times, the mode order reversed every other time (vllm, tandem..., then
+tandem..., vllm): on a machine whose speed drifts within minutes a single pass compares phases, not servers.
+Each row then carries its repeat, its ratios are against vLLM's run of the same repeat, and a last table gives
+the median of those paired ratios per mode and rate.
+
 Caveats: a 2-core box runs the server(s) and the client together, and other jobs add noise (the JSON
 records the load average at every run). ITL is the gap between SSE chunks as the client receives
 them: a server that coalesces tokens into bursts shows a tiny ITL p50 and its per-token cost in
@@ -48,6 +53,7 @@ import datetime
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -136,26 +142,47 @@ def fmt(x, spec: str = ".1f") -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = ("mode", "omp", "rate", "ok/fail", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
-            "TPOT p50", "out tok/s", "TTFTp99 x", "ITLp50 x", "TPOTp50 x")
-    peer = {(r["omp"], r["rate"]): r for r in rows if r["mode"] == "vllm" and "completed" in r}
+    head = ("mode", "omp", "rate", "rep", "ok/fail", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
+            "TPOT p50", "out tok/s", "TTFTp99 x", "ITLp99 x", "ITLp50 x", "TPOTp50 x")
     lines = [head]
     for r in rows:
         if "completed" not in r:
-            lines.append((r["mode"], r["omp"], r["rate"], "error") + ("",) * 9)
+            lines.append((r["mode"], r["omp"], r["rate"], r.get("repeat", 0), "error") + ("",) * 10)
             continue
-        p = peer.get((r["omp"], r["rate"])) if r["mode"] != "vllm" else None
-        ratio = [fmt(r[k] / p[k], ".2f") if p and r[k] and p[k] else "-"
-                 for k in ("p99_ttft_ms", "p50_itl_ms", "p50_tpot_ms")]
-        lines.append((r["mode"], r["omp"], r["rate"], f"{r['completed']}/{r['failed']}",
+        ratio = [fmt(x, ".2f") for x in peer_ratios(r, rows)]
+        lines.append((r["mode"], r["omp"], r["rate"], r.get("repeat", 0), f"{r['completed']}/{r['failed']}",
                       fmt(r["p50_ttft_ms"]), fmt(r["p99_ttft_ms"]), fmt(r["p50_itl_ms"], ".2f"),
                       fmt(r["p99_itl_ms"], ".2f"), fmt(r["p50_tpot_ms"], ".2f"),
                       fmt(r["output_tok_s"]), *ratio))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     for line in lines:
         print("  ".join(str(c).rjust(w) for c, w in zip(line, widths)))
-    print("ms throughout; 'x' columns = tandem / vLLM at the same rate and OMP variant "
+    print("ms throughout; 'x' columns = tandem / vLLM at the same rate, OMP variant and repeat "
           "(< 1: tandem is faster).")
+
+
+RATIO_KEYS = ("p99_ttft_ms", "p99_itl_ms", "p50_itl_ms", "p50_tpot_ms")
+
+
+def peer_ratios(r: dict, rows: list[dict]) -> list[float | None]:
+    """r's RATIO_KEYS over the vLLM row of the same OMP variant, rate and repeat (None: no such row)."""
+    p = next((q for q in rows if q["mode"] == "vllm" and "completed" in q and r["mode"] != "vllm"
+              and (q["omp"], q["rate"], q.get("repeat", 0)) == (r["omp"], r["rate"], r.get("repeat", 0))), None)
+    return [r[k] / p[k] if p and r[k] and p[k] else None for k in RATIO_KEYS]
+
+
+def print_medians(rows: list[dict]) -> None:
+    """Per tandem mode, OMP variant and rate: the median over repeats of each repeat's own ratio to vLLM."""
+    print("\nmedian over repeats of tandem / vLLM (each repeat against its own vLLM run):")
+    print("mode  omp  rate  repeats  " + "  ".join(RATIO_KEYS))
+    groups: dict[tuple, list] = {}
+    for r in rows:
+        if r["mode"] != "vllm" and "completed" in r:
+            groups.setdefault((r["mode"], r["omp"], r["rate"]), []).append(peer_ratios(r, rows))
+    for (mode, omp, rate), ratios in groups.items():
+        cols = [[x[i] for x in ratios if x[i] is not None] for i in range(len(RATIO_KEYS))]
+        print(f"{mode}  {omp}  {rate}  {len(ratios)}  "
+              + "  ".join(fmt(statistics.median(c) if c else None, ".2f") for c in cols))
 
 
 def main() -> None:
@@ -178,6 +205,9 @@ def main() -> None:
     p.add_argument("--tandem-args", default="",
                    help="more `tandem up` arguments for every tandem mode, e.g. \"--max-num-seqs 128\"")
     p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every mode this many times, the order reversed every other time (ABBA): each mode "
+                        "then samples the same stretch of a drifting machine; the summary takes medians")
     p.add_argument("--out", help="JSON results (default: in the run directory)")
     a = p.parse_args()
     a.model = str(Path(a.model).resolve())
@@ -205,13 +235,15 @@ def main() -> None:
     report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
               "machine": machine_info(), "versions": versions(a),
               "config": {k: v for k, v in vars(a).items()}, "runs": []}
-    for omp in a.omp_variants.split(","):
+    if a.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {a.repeats}")
+    for repeat, omp in ((r, o) for r in range(a.repeats) for o in a.omp_variants.split(",")):
         env = dict(os.environ, HF_HUB_OFFLINE="1")
         env.pop("OMP_NUM_THREADS", None)
         if omp == "exported":
             env["OMP_NUM_THREADS"] = str(len(os.sched_getaffinity(0)))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        for mode in modes:
+        for mode in (modes if repeat % 2 == 0 else modes[::-1]):
             port = free_port()
             server = Server(mode, server_cmd(a, mode, port, served), env, port,
                             run_dir / f"{mode}-omp_{omp}.log")
@@ -220,7 +252,7 @@ def main() -> None:
                 print(f"[{mode}] ready in {startup:.1f}s; warming up", flush=True)
                 warm_up(server.base, served, a.input_len)
                 for seed, rate in enumerate(rates):  # (vLLM's inf row appends the capacity rates as it goes)
-                    row = {"mode": mode, "omp": omp, "rate": rate, "startup_s": round(startup, 1),
+                    row = {"mode": mode, "omp": omp, "rate": rate, "repeat": repeat, "startup_s": round(startup, 1),
                            "loadavg": os.getloadavg()}
                     try:
                         row.update(run_client(a, server.base, served, rate, seed,
@@ -231,7 +263,7 @@ def main() -> None:
                     if row.get("errors"):
                         print(f"[{mode}] rate {rate}: request errors: {row['errors']}", flush=True)
                     report["runs"].append(row)
-                    if fractions and mode == "vllm" and rate == "inf":
+                    if fractions and mode == "vllm" and rate == "inf" and repeat == 0:
                         rates += capacity_rates(row, fractions)
                         report["capacity_req_s"] = row.get("capacity_req_s")
                         print(f"[vllm] capacity {row.get('capacity_req_s')} req/s: rates {rates[1:]}", flush=True)
@@ -240,12 +272,14 @@ def main() -> None:
                                         "p99_ttft_ms", "p50_itl_ms", "output_tok_s")}), flush=True)
             except RuntimeError as e:
                 print(f"[{mode}] failed to start: {e}", flush=True)
-                report["runs"].append({"mode": mode, "omp": omp, "rate": "-", "error": str(e)})
+                report["runs"].append({"mode": mode, "omp": omp, "rate": "-", "repeat": repeat, "error": str(e)})
             finally:
                 server.stop()
     out.write_text(json.dumps(report, indent=2))
     print()
     print_table(report["runs"])
+    if a.repeats > 1:
+        print_medians(report["runs"])
     print(f"results: {out}")
 
 
