@@ -119,7 +119,7 @@ class EagleSpeculator(Speculator):
         self.runner.observe(hidden)
 
     def catch_up(self, requests: Sequence[Request]) -> None:
-        self.runner.catch_up(list(requests))
+        self.runner.catch_up([r for r in requests if self.num_to_propose(r) > 0])  # not one about to end
 
     def warm_modules(self) -> list[torch.nn.Module]:
         return [self.runner.head]  # fc and its layer: its catch-up over a new prompt runs them at the prompt's size

@@ -71,14 +71,23 @@ def test_prompt_is_caught_up_in_its_prefill_step():
     assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == [o.token_ids for o in old.generate(prompts, PARAMS)]
 
 
-def test_nothing_is_caught_up_while_speculation_is_off():
-    """Two prompts in one step with spec_max_batch 1: speculation is off, so is the head's catch-up."""
+def test_nothing_is_caught_up_where_no_proposal_follows():
+    """Two prompts in one step with spec_max_batch 1: speculation is off, so is the head's catch-up. One
+    prompt alone whose max_tokens leaves no room for a draft (2: the first token, then one more) is not
+    caught up either; with max_tokens 3 it is."""
     llm = LLM(max_model_len=512, spec_max_batch=1, speculator="eagle", dtype="float32")
-    engine = llm.engine
+    engine, seqs = llm.engine, llm.engine.speculator.runner.seqs
     prompts = [engine.tokenize(s)[:100] for s in heldout_code()[:2]]
-    for prompt in prompts:
-        engine.add_request(None, prompt, PARAMS)
+    ids = [engine.add_request(None, prompt, PARAMS) for prompt in prompts]
     engine.step()
-    seqs = engine.speculator.runner.seqs  # the target states were handed over (observe), the head ran on none
-    assert len(engine.scheduler.running) == 2 and len(seqs) == 2
+    # the target states were handed over (observe); the head ran on none
+    assert len(engine.scheduler.running) == 2 and sorted(seqs) == sorted(ids)
     assert all(seq.num_computed_tokens == 0 and not seq.block_ids for seq in seqs.values())
+    for rid in ids:
+        engine.abort_request(rid)
+    for max_tokens, caught_up in ((2, 0), (3, len(prompts[0]) - 1)):
+        rid = engine.add_request(None, prompts[0], SamplingParams(temperature=0, max_tokens=max_tokens))
+        engine.step()
+        assert seqs[rid].num_computed_tokens == caught_up
+        while engine.has_unfinished_requests():
+            engine.step()
