@@ -33,6 +33,17 @@ def test_configure_logging_formats_and_context():
         assert [r["event"] for r in rows] == ["failed", "outside"]
         assert rows[0]["request_id"] == "rid-7" and "KeyError" in rows[0]["exception"] and rows[0]["level"] == "error"
         assert "request_id" not in rows[1]
+        assert rows[1]["logger"] == "t" and rows[1]["level"] == "info" and rows[1]["timestamp"].endswith("Z")
+        # A logger used before a reconfiguration (cached) writes where the new one says, and a third-party
+        # (stdlib) line comes out in the same shape.
+        buf3 = io.StringIO()
+        configure_logging("info", stream=buf3)
+        log.info("moved", k=2)
+        logging.getLogger("grpc").warning("foreign %d", 3)
+        moved, foreign = [json.loads(x) for x in buf3.getvalue().splitlines()]
+        assert (moved["event"], moved["k"], moved["logger"]) == ("moved", 2, "t")
+        assert (foreign["event"], foreign["logger"], foreign["level"]) == ("foreign 3", "grpc", "warning")
+        assert buf.getvalue().count("\n") == 2
         buf2 = io.StringIO()
         configure_logging("debug", json=False, stream=buf2)
         structlog.get_logger("t").debug("shown", k=1)

@@ -67,6 +67,7 @@ def configure_logging(level: str | int = "info", json: bool | None = None, *, lo
         final: list[Any] = [structlog.processors.format_exc_info, structlog.processors.JSONRenderer(default=str)]
     else:
         final = [structlog.dev.ConsoleRenderer(colors=_isatty(stream))]
+    # Third-party lines (stdlib logging) are formatted by the same processors.
     handler = logging.StreamHandler(stream)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=shared,
@@ -76,13 +77,34 @@ def configure_logging(level: str | int = "info", json: bool | None = None, *, lo
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level_no)
+    _LineWriter.handler = handler
     structlog.configure(
-        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
-        logger_factory=structlog.stdlib.LoggerFactory(),
+        processors=[*shared, *final],
+        # tandem's own lines skip the stdlib record and handler: ~3x cheaper a line (a request logs 4).
+        logger_factory=_LineWriter,
         # Filtering in the bound logger makes a disabled debug call a no-op method (no event dict).
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
         cache_logger_on_first_use=True,
     )
+
+
+class _LineWriter:
+    """What tandem's structlog loggers write through: one rendered line per call to the stream of the
+    handler the last configure_logging made, under that handler's lock (stdlib lines take it too, so
+    the two never interleave). Looked up per call, so a logger cached before a reconfiguration follows."""
+
+    handler: logging.StreamHandler = logging.StreamHandler(sys.stderr)
+
+    def __init__(self, name: str | None = None, *_: Any) -> None:
+        self.name = name or "root"  # structlog.stdlib.add_logger_name reads it
+
+    def msg(self, message: str) -> None:
+        handler = self.handler
+        with handler.lock:  # type: ignore[union-attr]  (StreamHandler always has one)
+            handler.stream.write(message + "\n")
+            handler.stream.flush()
+
+    log = debug = info = warning = warn = error = err = critical = fatal = exception = msg
 
 
 def _isatty(stream: IO[str]) -> bool:
