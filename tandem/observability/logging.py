@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from contextlib import AbstractContextManager, nullcontext
 from typing import IO, Any
 
@@ -88,21 +89,28 @@ def configure_logging(level: str | int = "info", json: bool | None = None, *, lo
     )
 
 
+_unconfigured_lock = threading.Lock()
+
+
 class _LineWriter:
     """What tandem's structlog loggers write through: one rendered line per call to the stream of the
     handler the last configure_logging made, under that handler's lock (stdlib lines take it too, so
     the two never interleave). Looked up per call, so a logger cached before a reconfiguration follows."""
 
-    handler: logging.StreamHandler = logging.StreamHandler(sys.stderr)
+    handler: logging.StreamHandler | None = None  # None until configure_logging: sys.stderr as it is then
 
     def __init__(self, name: str | None = None, *_: Any) -> None:
         self.name = name or "root"  # structlog.stdlib.add_logger_name reads it
 
     def msg(self, message: str) -> None:
         handler = self.handler
-        with handler.lock:  # type: ignore[union-attr]  (StreamHandler always has one)
-            handler.stream.write(message + "\n")
-            handler.stream.flush()
+        stream = handler.stream if handler is not None else sys.stderr
+        try:
+            with handler.lock if handler is not None and handler.lock else _unconfigured_lock:
+                stream.write(message + "\n")
+                stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream (the reader gone): never fail the caller,
+            pass  # as stdlib's handlers do not
 
     log = debug = info = warning = warn = error = err = critical = fatal = exception = msg
 
