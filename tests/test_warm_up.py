@@ -85,6 +85,12 @@ def test_the_speculators_layers_are_warmed_up_too(speculator, made):
     llm = LLM(default_model_path(), speculator=speculator, draft_model=draft, num_speculative_tokens=2,
               spec_max_batch=2, max_model_len=512, dtype="float32", device="cpu")
     at_start = set(made)
+    # and every layer's own packed weight, not only the first module of each shape (the target's other layers,
+    # the head's layer: the first prompt packed those)
+    spec = llm.engine.speculator.runner
+    trees = (llm.engine.runner.model.model.layers, getattr(spec, "head", None) or spec.model.model.layers)
+    linears = [m for tree in trees for m in tree.modules() if isinstance(m, linear_mod.Linear)]
+    assert len(linears) > 20 and all(m._packed_key == linear_mod._weight_key(m.weight) for m in linears)
     made.clear()
     llm.generate([[(7 * j) % 900 + 3 for j in range(n)] for n in (131, 290)],
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

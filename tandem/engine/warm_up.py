@@ -101,6 +101,9 @@ def onednn_row_counts(*trees: torch.nn.Module, max_rows: int = CPU_WARM_ROWS) ->
     shapes: dict[tuple, linear_mod.Linear] = {}
     for module in (m for tree in trees for m in tree.modules()):
         if isinstance(module, linear_mod.Linear) and module.weight.is_cpu:
+            # A primitive serves every module of its shape, a packed weight only its own: the other layers'
+            # (and an EAGLE head's, shaped as the target's) were packed by the first prompt (~3 ms on the head).
+            module.packed_weight()
             shapes.setdefault((module.in_features, module.out_features, module.weight.dtype), module)
     rows = sorted({linear_mod.bucket_rows(n) for n in range(linear_mod.SMALL_BATCH + 1, max_rows + 1)})
     for module in shapes.values():
