@@ -1,4 +1,5 @@
-"""Logging for every tandem service: structlog on top of the standard library's logging, one call.
+"""Logging for every tandem service, one call: structlog renders and writes tandem's own lines; lines of
+third-party libraries (stdlib `logging`) go through a handler that renders them with the same processors.
 
 `configure_logging(level, json=None)` is called once by each CLI before anything logs:
 
