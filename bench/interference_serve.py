@@ -107,6 +107,7 @@ def main() -> None:
     p.add_argument("--vllm-python", help="python of a venv with vLLM (needed for the vllm mode)")
     p.add_argument("--model", default=None, help="checkpoint directory (default: the 55M benchmark Llama)")
     p.add_argument("--tandem-cmd", default=tandem_cli())
+    p.add_argument("--tandem-args", default="", help="more `tandem up` arguments for every tandem mode")
     p.add_argument("--modes", default="vllm,tandem-pd,tandem-colocated")
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=2000)
