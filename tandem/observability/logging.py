@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 from contextlib import AbstractContextManager, nullcontext
 from typing import IO, Any
 
@@ -90,26 +89,22 @@ def configure_logging(level: str | int = "info", json: bool | None = None, *, lo
     )
 
 
-_unconfigured_lock = threading.Lock()
-
-
 class _LineWriter:
     """What tandem's structlog loggers write through: one rendered line per call to the stream of the
     handler the last configure_logging made, under that handler's lock (stdlib lines take it too, so
     the two never interleave). Looked up per call, so a logger cached before a reconfiguration follows."""
 
-    handler: logging.StreamHandler | None = None  # None until configure_logging: sys.stderr as it is then
+    handler: logging.StreamHandler  # set by configure_logging before it makes this class the logger factory
 
     def __init__(self, name: str | None = None, *_: Any) -> None:
         self.name = name or "root"  # structlog.stdlib.add_logger_name reads it
 
     def msg(self, message: str) -> None:
         handler = self.handler
-        stream = handler.stream if handler is not None else sys.stderr
         try:
-            with handler.lock if handler is not None and handler.lock else _unconfigured_lock:
-                stream.write(message + "\n")
-                stream.flush()
+            with handler.lock:  # type: ignore[union-attr]  (a StreamHandler always makes one)
+                handler.stream.write(message + "\n")
+                handler.stream.flush()
         except (OSError, ValueError):  # a closed or broken stream (the reader gone): never fail the caller,
             pass  # as stdlib's handlers do not
 
