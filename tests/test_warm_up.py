@@ -65,6 +65,8 @@ def test_a_cpu_engine_makes_the_onednn_primitives_its_prompts_use(path, made):
     assert llm.engine.warm_up_seconds > 0
     at_start = set(made)
     assert {n for n, _, _ in at_start} == {linear_mod.bucket_rows(n) for n in range(9, CPU_WARM_ROWS + 1)}
+    lm_head = llm.engine.runner.model.lm_head  # packed for a batch of more than 8 rows, not by its first step
+    assert lm_head._packed_key == linear_mod._weight_key(lm_head.weight)
     made.clear()
     greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     prompts = [[(3 * i + 7 * j) % 400 + 3 for j in range(n)] for i, n in enumerate([37, 300, 11])]

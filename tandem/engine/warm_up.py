@@ -14,8 +14,9 @@ counts past 64), ~0.9 ms each: the shipped model's first prompt of each new size
 of distinct sizes: 178-199 ms cold, 123-125 ms warmed; 0.41 s of warm-up, 0.72 s for the 55M Llama). So
 each decoder-layer linear shape runs once at every row count a prompt up to CPU_WARM_ROWS tokens uses, the
 speculator's too (a draft model's layers, an EAGLE head's fc and layer: its catch-up over a new prompt runs
-them at the prompt's size). Not the lm_head: a prompt's logits are its last row's (and its compute would
-dominate: ~3 s for the 55M Llama).
+them at the prompt's size). Not the lm_head's row counts: a prompt's logits are its last row's (and their
+compute would dominate: ~3 s for the 55M Llama); its packed weight is made, which a batch of more than 8
+sampling rows reads.
 
 Nothing is written to the cache: every row's slot is -1 (no K/V stored), every table points at block 0,
 and the outputs are dropped. The GPU steps run on a CPU only when forced (the tests force them, with
@@ -47,6 +48,8 @@ def warm_up(runner, query_lens: tuple[int, ...] = (1,), spec_batch: int = SIZES[
     `extra` (a speculator's: Speculator.warm_modules). The seconds it took."""
     start = time.perf_counter()
     rows = onednn_row_counts(runner.model.model.layers, *extra) if runner.device.type == "cpu" else []
+    if rows:  # a step sampling more than SMALL_BATCH rows reads the lm_head packed: packed now, not by that step
+        runner.model.lm_head.packed_weight()
     widths, captured = _gpu_steps(runner, query_lens, spec_batch) if runner.device.type == "cuda" or force else ([], 0)
     seconds = time.perf_counter() - start
     log.info("warmed up", seconds=round(seconds, 3), onednn_row_counts=len(rows), table_widths=widths, graphs=captured)
