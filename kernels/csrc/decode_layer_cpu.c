@@ -99,6 +99,25 @@ int tandem_decode_layers_f32(const tandem_layer_t *layers, int32_t n_layers, flo
     return 0;
 }
 
+/* Each row's state [hidden] into its slot of the hidden-state layers (rows of kvs floats: block b's K rows at
+ * 2b * BS, its V rows at (2b + 1) * BS): layer i's K row takes floats [2 i kvs, (2 i + 1) kvs), its V row the next
+ * kvs, zeros past the state. The slots were checked by the layers (-2 before any was written). */
+static void store_hidden_rows(const float *states, int64_t T, int64_t hidden, float *const *caches, int32_t n,
+                              int64_t kvs, int32_t BS, const int64_t *slots) {
+    for (int32_t i = 0; i < n; i++)
+        for (int64_t t = 0; t < T; t++) {
+            if (slots[t] < 0) continue;
+            const int64_t k_row = slots[t] / BS * 2 * BS + slots[t] % BS;
+            for (int half = 0; half < 2; half++) {
+                float *dst = caches[i] + (k_row + half * BS) * kvs;
+                const int64_t from = (2 * i + half) * kvs, left = hidden - from;
+                const int64_t n_copy = left < 0 ? 0 : left < kvs ? left : kvs;
+                if (n_copy) memcpy(dst, states + t * hidden + from, sizeof(float) * n_copy);
+                memset(dst + n_copy, 0, sizeof(float) * (kvs - n_copy));
+            }
+        }
+}
+
 /* A small decode step's whole model body in one call: each row's embedding (ids into embed [vocab, hidden]) and
  * rotary rows (positions into cos_tab / sin_tab [max_pos, D]) gathered into work [MAX_ROWS * (hidden + 2 D)],
  * the decoder layers (tandem_decode_layers_f32, into x_out via x_tmp), the final RMSNorm of x_out into normed
@@ -112,6 +131,9 @@ int tandem_decode_layers_f32(const tandem_layer_t *layers, int32_t n_layers, flo
  * 55M Llama's batch-1 step ~0.5 ms of ~10; the shipped model's ~0.2 of ~1.1; docs/PERFORMANCE.md, session 33)
  * where here they are copies, a loop and one norm. The same copies and kernels as the module path: bitwise
  * its result. The arguments up to check_window are the model's (fused_decode keeps them), the rest the step's.
+ * With n_hidden > 0 the final hidden states (normed) also go to the token's slots of hidden_caches[0..n_hidden)
+ * (tandem/engine/hidden_cache.py: each layer's K and V rows hold the next 2 Hkv D floats of a state, zero-padded),
+ * as store_hidden writes them from Python: there that cost ~0.1 ms of an EAGLE step, here T row copies.
  * Returns -4 for an id, a position, a length or a block outside its table (before anything is written), else
  * tandem_decode_layers_f32's code. */
 int tandem_decode_model_f32(const tandem_layer_t *layers, int32_t n_layers, float *const *caches,
@@ -121,7 +143,8 @@ int tandem_decode_model_f32(const tandem_layer_t *layers, int32_t n_layers, floa
                             int32_t BS, int32_t check_window, const int64_t *ids, const int64_t *positions,
                             int64_t T, const int64_t *slots, const int32_t *tables, int64_t table_stride,
                             int64_t table_width, const int32_t *seq_lens, int32_t B, int32_t Q, float *normed,
-                            float *logits, int64_t *best, int num_threads) {
+                            float *logits, int64_t *best, float *const *hidden_caches, int32_t n_hidden,
+                            int num_threads) {
     const int64_t hidden = layers[0].o.out_features, D = layers[0].head_dim;
     for (int32_t b = 0; b < B; b++) {
         const int64_t len = seq_lens[b], behind = check_window > 0 ? len - Q - check_window + 1 : 0;
@@ -143,6 +166,7 @@ int tandem_decode_model_f32(const tandem_layer_t *layers, int32_t n_layers, floa
                                             num_threads);
     if (rc) return rc;
     tandem_add_rms_norm_f32(x_out, 0, x_out, norm, normed, T, hidden, eps, num_threads);
+    store_hidden_rows(normed, T, hidden, hidden_caches, n_hidden, (int64_t)layers[0].kv_heads * D, BS, slots);
     if (!head) return 0;
     if (tandem_run_linear(head, normed, logits, T, num_threads)) return -1;
     if (best) tandem_argmax_f32(logits, T, head->out_features, best, num_threads);

@@ -11,7 +11,8 @@ Layout: `hidden_layers` extra cache layers after the model's (tandem/engine/kv_l
 state [hidden_size] is zero-padded to a multiple of one slot's K+V row (2 * Hkv * D) and split into
 K and V halves per layer, stored with the same `store_kv` op as the K/V (quantized as the cache is:
 a quantized cache keeps an approximation, which only changes which tokens are drafted — the
-verification stays exact).
+verification stays exact). A small decode step's C call (tandem/layers/fused_model.py) writes the same
+bytes itself: from Python this cost ~0.1 ms of a ~2.5 ms EAGLE step of the shipped model.
 """
 
 from __future__ import annotations

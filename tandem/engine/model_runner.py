@@ -110,7 +110,7 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model, then (for a speculator that reads them) its final hidden states into their cache layers."""
         hidden = self.model(input_ids, positions, meta)
-        if self.hidden_layers:
+        if self.hidden_layers and not meta.hidden_stored:
             hidden_cache.store_hidden(self.ops, self.kv_caches, self.kv_scales, hidden, meta.slot_mapping,
                                       self.hidden_layers, meta.layer_hook)
         return hidden

@@ -68,5 +68,6 @@ def step_metadata(runner: Any, decode: list[ScheduledRequest], prefill: list[Sch
         prefill_query_start_loc=start_loc(prefill, dev) if prefill else None,
         prefill_seq_lens=seq_lens(prefill, dev) if prefill else None,
         layer_hook=runner.layer_hook,
+        hidden_layers=runner.hidden_layers,
         **(rows or {}),
     )

@@ -43,6 +43,11 @@ class AttentionMetadata:
     out_rows: torch.Tensor | None = None  # [K] ascending row indices
     out_block_tables: torch.Tensor | None = None  # [K, M]: each row's sequence's blocks
     out_seq_lens: torch.Tensor | None = None  # [K]: each row's position + 1
+    # Cache layers after the model's that keep each token's final hidden state (tandem/engine/hidden_cache.py,
+    # for EAGLE): the runner stores them after the model, unless a small decode step's C call did
+    # (fused_model.run_model), which then sets hidden_stored.
+    hidden_layers: int = 0
+    hidden_stored: bool = False
 
     @property
     def num_decode_tokens(self) -> int:

@@ -1,6 +1,7 @@
 """A small decode step's whole Llama body and lm_head in one C call (kernels/csrc/decode_layer_cpu.c,
 `tandem_decode_model_f32`): the rows' embeddings and rotary rows gathered, the decoder layers (through
-fused_decode's kept layer stack), the final norm, every row's logits, and the block tables checked, in C.
+fused_decode's kept layer stack), the final norm, every row's logits, the block tables checked and, where the
+cache has hidden-state layers (EAGLE), the final hidden states stored into them, in C.
 
 Why: inside a decode step every torch op and Python function runs after the layers' weight streams have evicted
 the interpreter's code and data: the embedding lookup of one row, the rotary rows, the final norm and the
@@ -32,7 +33,8 @@ def run_model(model, input_ids: torch.Tensor, positions: torch.Tensor, meta,
     torch ops, the lm_head's call, the checks and the greedy sampler's argmax ran with the interpreter's code and
     data evicted, ~20-150 us each (sessions 33-34). What the call needs from the model is kept (_body). Logits
     only where the lm_head's own call would take the same C kernel (its small-batch plan covers the rows):
-    bitwise what it returns; the argmax is kernels.fused.argmax_rows' of them."""
+    bitwise what it returns; the argmax is kernels.fused.argmax_rows' of them. With meta.hidden_layers the call
+    also stores the output into those last cache layers (as hidden_cache.store_hidden) and sets meta.hidden_stored."""
     t, lib = input_ids.shape[0], native_cpu.library()
     if (not 0 < t <= fused_decode.MAX_ROWS or meta.num_decode_tokens != t or meta.layer_hook is not None
             or meta.kv_scales is not None or meta.ops.name != "native" or not fused.ALLOWED or lib is None):
@@ -49,12 +51,27 @@ def run_model(model, input_ids: torch.Tensor, positions: torch.Tensor, meta,
     out = torch.empty((t, body.hidden))
     logits = torch.empty((t, body.vocab)) if body.head is not None and t <= body.head_rows else None
     best = None if logits is None else (ctypes.c_int64 * t)()  # not a tensor: see fused.argmax_rows
+    hidden_caches = _hidden_caches(meta.kv_caches, meta.hidden_layers, stack) if meta.hidden_layers else None
     rc = lib.tandem_decode_model_f32(
         *body.args, None if logits is None else body.head, *body.buffers, input_ids.data_ptr(), positions.data_ptr(),
         t, slots.data_ptr(), tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(),
         meta.num_decode_seqs, meta.decode_query_len, out.data_ptr(), None if logits is None else logits.data_ptr(),
-        best, torch.get_num_threads())
-    return (out, logits, None if best is None else best[:]) if rc == 0 else None
+        best, hidden_caches, meta.hidden_layers if hidden_caches else 0, torch.get_num_threads())
+    if rc != 0:
+        return None
+    meta.hidden_stored = hidden_caches is not None
+    return out, logits, None if best is None else best[:]
+
+
+def _hidden_caches(kv_caches: list, n: int, stack: _Stack) -> ctypes.Array | None:
+    """The addresses of the last n cache layers (the hidden-state layers) for the C call to store the final hidden
+    states into, or None where one is not an fp32 CPU tensor laid out as the layers' caches (the runner's
+    store_hidden then writes them)."""
+    layers = kv_caches[len(kv_caches) - n:]
+    shape = stack.caches[0].shape
+    if not all(c.dtype == torch.float32 and c.is_cpu and c.is_contiguous() and c.shape == shape for c in layers):
+        return None
+    return (ctypes.c_void_p * n)(*(c.data_ptr() for c in layers))
 
 
 @dataclass
