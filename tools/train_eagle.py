@@ -25,7 +25,7 @@ The recipe, end to end (the target stays frozen; only the head learns):
 Fixed seeds, batch order and step counts; the thread count changes the floating-point sums, so a rerun
 matches bitwise only with the same --threads (default 2).
 
-    python tools/train_eagle.py            # == --steps 900 --distill-steps 800 --unroll 3 --threads 2
+    python tools/train_eagle.py            # == --steps 1800 --distill-steps 1600 --unroll 3 --threads 2
 """
 from __future__ import annotations
 
@@ -196,8 +196,8 @@ def generated_windows(target_dir: Path, data: torch.Tensor, n: int, seq: int, se
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=900)
-    ap.add_argument("--distill-steps", type=int, default=800,
+    ap.add_argument("--steps", type=int, default=1800)
+    ap.add_argument("--distill-steps", type=int, default=1600,
                     help="then steps on windows the target wrote itself (what drafting meets)")
     ap.add_argument("--distill-lr", type=float, default=5e-4)
     ap.add_argument("--threads", type=int, default=2)
