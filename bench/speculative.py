@@ -15,10 +15,13 @@ of held-out standard-library files (the files tools/train_tiny.py holds out: sor
 - decode tok/s counts only tokens produced after every request of the batch has its first token
   (prefill excluded). Speculation is forced on at every batch (spec_max_batch = max(batch, 8)); with
   the default (1 on a CPU, 8 on a GPU) the engine switches it off above that and runs at the baseline.
-- each configuration runs --repeats times (default 3), round-robin with the others, and the fastest run
-  counts ("speedup"); "paired" is the median over repeats of each run's ratio to the baseline run of the
-  same repeat. A run is --rounds consecutive batches (default 1) on different prompts, timed together
-  (at batch 1 one prompt alone is a thin sample: acceptance varies a lot between prompts).
+- every configuration has one engine, and they take turns batch by batch: each of --rounds batches (default 1,
+  on different prompts; at batch 1 one prompt alone is a thin sample: acceptance varies a lot between prompts)
+  runs on every engine before the next batch, the order reversed every other batch, all of it --repeats times
+  (default 3). "speedup" is a configuration's decode tok/s over all its batches against the baseline's;
+  "paired" the median of the batches' own ratios. Why: this VM's speed drifts up to 2x within minutes, and a
+  configuration's whole run against the baseline's whole run seconds later (the fastest of three each, as
+  this bench did up to session 38) measured EAGLE at 0.81x where the same runs paired gave 1.02x.
 - mean accepted length = draft tokens kept per verifying step (tokens per step is that + 1).
 - speculators: none (the baseline), ngram, draft_model, eagle, on the same prompts.
 All greedy, so every configuration must produce the same tokens; the bench checks that.
@@ -82,33 +85,45 @@ def repeat_prompts(tokenizer, n: int) -> list[list[int]]:
 CLOCK = time.perf_counter
 
 
+def make_engine(model: str, **options):
+    from tandem.config import EngineConfig
+    from tandem.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=model, max_model_len=1024, kv_cache_memory_gb=0.5,
+                                  max_num_batched_tokens=8192, **options))
+
+
+def decode_batch(engine, prompts: list[list[int]], new_tokens: int,
+                 repetition_penalty: float = 1.0) -> tuple[int, float, list]:
+    """(Tokens decoded after every request of the batch has its first token, the seconds that took, each
+    request's tokens) for `prompts` run together on `engine`."""
+    from tandem.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True,
+                            repetition_penalty=repetition_penalty)
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    while not all(tokens.values()):  # prefill (not timed)
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    counted, t = 0, CLOCK()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            counted += len(out.new_token_ids)
+    seconds = CLOCK() - t
+    engine.check_invariants()
+    return counted, seconds, [tokens[i] for i in ids]
+
+
 def decode_run(model: str, prompts: list[list[int]], new_tokens: int, batch: int | None = None,
                repetition_penalty: float = 1.0, **options) -> tuple[float, list, dict]:
     """Decode tok/s (after every request of a batch has its first token), outputs and spec stats of
-    `prompts` run in consecutive batches of `batch` (default: all at once) on one engine."""
-    from tandem.config import EngineConfig
-    from tandem.engine.llm_engine import LLMEngine
-    from tandem.sampling_params import SamplingParams
-
-    engine = LLMEngine(EngineConfig(model=model, max_model_len=1024, kv_cache_memory_gb=0.5,
-                                    max_num_batched_tokens=8192, **options))
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True,
-                            repetition_penalty=repetition_penalty)
-    size, outputs, counted, dt = batch or len(prompts), [], 0, 0.0
+    `prompts` run in consecutive batches of `batch` (default: all at once) on one new engine."""
+    engine, size, outputs, counted, dt = make_engine(model, **options), batch or len(prompts), [], 0, 0.0
     for first in range(0, len(prompts), size):
-        ids = [engine.add_request(None, p, params) for p in prompts[first:first + size]]
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        while not all(tokens.values()):  # prefill (not timed)
-            for out in engine.step():
-                tokens[out.request_id] += out.new_token_ids
-        t = CLOCK()
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens[out.request_id] += out.new_token_ids
-                counted += len(out.new_token_ids)
-        dt += CLOCK() - t
-        outputs += [tokens[i] for i in ids]
-    engine.check_invariants()
+        n, seconds, outs = decode_batch(engine, prompts[first:first + size], new_tokens, repetition_penalty)
+        counted, dt, outputs = counted + n, dt + seconds, outputs + outs
     return counted / dt, outputs, engine.speculator_stats()
 
 
@@ -123,7 +138,7 @@ def main() -> None:
     ap.add_argument("--workload", choices=("repeat", "plain"), default="repeat")
     ap.add_argument("--rounds", type=int, default=1,
                     help="consecutive batches per configuration, each with the next prompts (batch 1: R prompts)")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per configuration; the fastest counts")
+    ap.add_argument("--repeats", type=int, default=3, help="passes over the --rounds batches (module doc)")
     ap.add_argument("--repetition-penalty", type=float, default=1.0,
                     help="every request's (the shipped model's generation_config, which HTTP requests get, says 1.2)")
     ap.add_argument("--cpu-clock", action="store_true", help="time with thread CPU time, 1 torch thread")
@@ -161,22 +176,30 @@ def main() -> None:
         prompts = [pool[i % len(pool)] for i in range(b * args.rounds)]
         specs = {name: dict(opts, num_speculative_tokens=args.k, spec_max_batch=max(b, 8)) if opts else {}
                  for name, opts in configs.items()}
-        # Round-robin, --repeats times: this VM's speed drifts up to 2x within minutes, so every
-        # configuration samples the same stretch of time; a configuration's fastest run counts (other
-        # jobs only ever slow a run down), and "paired" is the median of each repeat's own ratio.
-        runs: dict[str, list] = {name: [] for name in configs}
-        for _ in range(args.repeats):
-            for name, spec in specs.items():
-                runs[name].append(decode_run(model, prompts, args.new_tokens, b, args.repetition_penalty, **spec))
-        base_tps, base_out = max(r[0] for r in runs["none"]), runs["none"][0][1]
+        # The engines take turns batch by batch, the order reversed every other batch (module doc).
+        engines = {name: make_engine(model, **spec) for name, spec in specs.items()}
+        runs: dict[str, list[tuple[int, float]]] = {name: [] for name in configs}
+        for turn in range(args.repeats * args.rounds):
+            batch = prompts[turn % args.rounds * b:(turn % args.rounds + 1) * b]
+            outputs = {}
+            for name in (list(configs) if turn % 2 == 0 else list(configs)[::-1]):
+                n, seconds, outputs[name] = decode_batch(engines[name], batch, args.new_tokens,
+                                                         args.repetition_penalty)
+                runs[name].append((n, seconds))
+            changed = [name for name in configs if outputs[name] != outputs["none"]]
+            if changed:
+                raise SystemExit(f"greedy output changed with speculator {changed[0]!r}: verification is broken")
+
+        def tok_s(name: str) -> float:
+            return sum(n for n, _ in runs[name]) / sum(t for _, t in runs[name])
+
         for name in configs:
-            tps, outs, stats = max(runs[name], key=lambda r: r[0])
-            if any(r[1] != base_out for r in runs[name]):
-                raise SystemExit(f"greedy output changed with speculator {name!r}: verification is broken")
-            paired = statistics.median(r[0] / n[0] for r, n in zip(runs[name], runs["none"]))
+            stats = engines[name].speculator_stats()
+            paired = statistics.median((n / t) / (bn / bt) for (n, t), (bn, bt) in zip(runs[name], runs["none"]))
             acc = f"{stats['mean_accepted_length']:.2f}" if stats else "-"
             rate = f"{stats['acceptance_rate']:.1%}" if stats else "-"
-            print(f"{b:>5} {name:>12} {tps:>13.1f} {tps / base_tps:>7.2f}x {paired:>6.2f}x {acc:>11} {rate:>12}")
+            print(f"{b:>5} {name:>12} {tok_s(name):>13.1f} {tok_s(name) / tok_s('none'):>7.2f}x {paired:>6.2f}x "
+                  f"{acc:>11} {rate:>12}")
 
     # The draft and the head as predictors of the target: greedy, K = 4, plain held-out text (no repetition).
     plain = [tok.encode(s)[:256] for s in heldout_snippets(8, 1200)]
