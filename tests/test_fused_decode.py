@@ -183,47 +183,6 @@ def test_the_model_body_in_one_call_is_bitwise_the_module_path(monkeypatch, bf16
         assert torch.equal(lm.compute_logits(hidden[:1]), lm.lm_head(hidden[:1]))
 
 
-@pytest.mark.parametrize("kv_heads, head_dim", [(2, 16), (1, 16), (2, 24)])  # a layer exactly, two, one padded
-def test_the_model_call_stores_the_final_hidden_states_as_store_hidden_does(monkeypatch, kv_heads, head_dim):
-    """With hidden-state layers (EAGLE), run_model writes the rows' final hidden states into them — every byte
-    store_hidden writes after the module path, the zero padding included — and says so (meta.hidden_stored),
-    so the runner does not write them again."""
-    from tandem.engine.hidden_cache import store_hidden
-    from tandem.engine.kv_layout import hidden_state_layers
-    from tandem.models.llama import LlamaForCausalLM
-
-    cfg = ModelConfig.from_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64,
-                                     intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5))
-    lm = LlamaForCausalLM(cfg, 64).eval()
-    torch.manual_seed(kv_heads * head_dim)
-    with torch.no_grad():
-        for p in lm.parameters():
-            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
-    n = hidden_state_layers(cfg)
-    _, _, meta, cache = _step(lm.model.layers[0], 2, 3, seed=head_dim)
-    meta.kv_caches = [cache, *(torch.randn_like(cache) for _ in range(1 + n))]  # garbage where padding goes
-    meta.hidden_layers = n
-    expected = [c.clone() for c in meta.kv_caches]
-    ids = torch.randint(0, 100, (6,), generator=torch.Generator().manual_seed(1))
-    positions = torch.cat([torch.arange(int(m) - 3, int(m)) for m in meta.decode_seq_lens])
-    with torch.inference_mode():
-        fused = fused_model.run_model(lm.model, ids, positions, meta, lm.lm_head)
-        assert fused is not None and meta.hidden_stored
-        fused_caches, meta.kv_caches = meta.kv_caches, expected
-        with monkeypatch.context() as m:
-            m.setattr(fused_decode, "MAX_ROWS", 0)
-            module = lm.model(ids, positions, meta)
-        store_hidden(NATIVE_CPU_OPS, expected, None, module, meta.slot_mapping, n, None)
-    assert torch.equal(fused[0], module)
-    assert len(fused_caches) == 2 + n and all(torch.equal(a, e) for a, e in zip(fused_caches, expected))
-    row = 2 * kv_heads * head_dim
-    if n * row > 64:  # the padding really was written (over the garbage)
-        slot = int(meta.slot_mapping[0])
-        v_row = fused_caches[-1][slot // BS, 1, slot % BS].flatten()  # the last layer's V half ends the state
-        assert not v_row[64 - row // 2 * (2 * n - 1):].any()
-
-
 def test_the_fused_layer_follows_a_written_weight(monkeypatch):
     layer = _layer("LlamaForCausalLM", False, False, seed=1)
     x, rope, meta, cache = _step(layer, 1, 1, seed=1)
