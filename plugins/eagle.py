@@ -12,6 +12,12 @@ by the engine after every forward pass: `observe`). One proposal of k tokens is 
    rows of the head's draft vocabulary);
 2. k-1 single-token passes, each feeding the previous draft token with the head's own predicted state.
 
+A request far behind (a long prompt, or one a prefill worker computed: D's head has run on none of it)
+catches up in one pass when it runs alone, but beside other requests CATCH_UP_TOKENS head positions a
+step, shared by all such requests, and is not speculated until it is within one decode query of its
+tokens: the head over a whole 900-token prompt in one step stalled every other stream of a decode
+worker for ~25 ms (~7x an EAGLE step of the shipped model).
+
 Drafted positions hold KV made from *predicted* states, so they are never kept: the next proposal
 recomputes them from the real states the verification pass produced (EAGLE's rule). Target states
 this runner was not handed — a prefix-cache hit, a prompt prefilled by a prefill worker, state
@@ -44,6 +50,9 @@ if TYPE_CHECKING:
 # Target states held per request at most: a request that is not speculated for a long time (batch
 # above spec_max_batch, a long chunked prompt) would otherwise pile up [tokens, hidden] floats.
 MAX_HELD_STATES = 4096
+# Head positions one step runs for requests catching up beside others (module doc): 2-3 ms a step on the shipped
+# model here, about one EAGLE decode step (a whole 900-token prompt at once: ~24 ms; in shares of 64: ~40 ms in all).
+CATCH_UP_TOKENS = 64
 
 
 def rows_of(lm_head: Linear, ids: torch.Tensor) -> Linear:
@@ -83,6 +92,7 @@ class EagleRunner:
         self.generator = torch.Generator().manual_seed(seed)
         self.num_cache_reads = 0  # catch-ups whose target states were read from the cache (see module doc)
         self.num_recomputes = 0  # catch-ups whose target states had to be recomputed (see module doc)
+        self.step_width = 0  # requests in the last forward pass (observe): beside others, catch-ups run in shares
         self.max_held_states = MAX_HELD_STATES
         # Greedy passes in one C call where it applies (propose); None: always the Python passes (tests compare).
         # The head's logits: the target's lm_head, or its rows of the head's draft vocabulary (a copy, 1/4 of it
@@ -105,6 +115,7 @@ class EagleRunner:
 
     def observe(self, hidden: dict[str, tuple[int, torch.Tensor]]) -> None:
         """The target's final hidden states of one forward pass: rows for positions start.. of each request."""
+        self.step_width = len(hidden)
         for rid, (start, rows) in hidden.items():
             seq = self.seqs.setdefault(rid, _HeadSeq())
             f = seq.features
@@ -117,24 +128,35 @@ class EagleRunner:
                 seq.features = None  # recomputed if the request is speculated again
 
     @torch.inference_mode()
-    def catch_up(self, requests: list[Request]) -> None:
-        """Run the head over each request's positions up to n-3 now — in the step that computed its prompt
-        (vLLM's drafter also runs in the prefill's step) — so its first proposal feeds one row, the decode
-        way, instead of the whole prompt at the start of its first decode step. Position n-2 pairs with
-        the token just sampled and is left to `propose`, whose first draft comes from its output."""
+    def catch_up(self, requests: list[Request], budget: int | None = None, wanted: set[str] | None = None) -> None:
+        """Run the head over the requests' positions behind n-2 (n-3 and before), in order, up to `budget` of
+        them (default: all for a request alone, else CATCH_UP_TOKENS), now: in the step that computed a prompt
+        (vLLM's drafter also runs in the prefill's step), and in each later step of a request still far behind
+        (propose), so its first proposal feeds one row, the decode way, and no step beside other streams runs
+        the head over a whole long prompt. Position n-2 pairs with the token just sampled and is left to
+        `propose`, whose first draft comes from its output."""
+        if budget is None:
+            budget = CATCH_UP_TOKENS if max(self.step_width, len(requests)) > 1 else 1 << 62
         feed = []
         for r in requests:
             seq = self.seqs.setdefault(r.request_id, _HeadSeq())
-            c, hi = seq.num_computed_tokens, r.num_tokens - 2
-            if hi - c > MAX_DECODE_QUERY_LEN and self.kv.allocate(seq, hi - c):  # type: ignore[arg-type]
+            c = seq.num_computed_tokens
+            hi = min(r.num_tokens - 2, c + budget)
+            if self._behind(r) and hi > c and self._reserve(seq, hi - c, wanted):
                 feed.append((r, r.token_ids[c + 1:hi + 1], self._features(r, c, hi + 1), c))
+                budget -= hi - c
         if not feed:
             return
         self._forward([(r, toks, f[:-1], c) for r, toks, f, c in feed], decode=False)
-        for r, toks, f, c in feed:  # keep f[n-2] only (propose feeds it), read once if it came from the cache
+        for r, toks, f, c in feed:  # keep f[hi] only (the next pass feeds it), read once if it came from the cache
             seq = self.seqs[r.request_id]
             seq.num_computed_tokens = seq.feat_start = c + len(toks)
             seq.features = f[-1:].clone()
+
+    def _behind(self, req: Request) -> bool:
+        """Whether req's head is further behind its tokens than one decode query (catch_up's work)."""
+        seq = self.seqs.get(req.request_id)
+        return req.num_tokens - 2 - (seq.num_computed_tokens if seq else 0) > MAX_DECODE_QUERY_LEN
 
     # ---- proposing -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -142,7 +164,10 @@ class EagleRunner:
         """Draft ks[i] tokens after each request's token_ids; also the [k, V] distributions sampled
         from, for requests with temperature > 0."""
         wanted = {r.request_id for r in requests}
-        batch = [(r, k) for r, k in zip(requests, ks) if self._prepare(r, k, wanted)]
+        if any(map(self._behind, requests)):  # far behind: caught up (a share a step beside others), not drafted
+            self.catch_up([r for r in requests if self._behind(r)], CATCH_UP_TOKENS if len(requests) > 1 else None,
+                          wanted)
+        batch = [(r, k) for r, k in zip(requests, ks) if not self._behind(r) and self._prepare(r, k, wanted)]
         if not batch:
             return {}, {}
         tokens: dict[str, list[int]] = {r.request_id: [] for r, _ in batch}
@@ -232,10 +257,17 @@ class EagleRunner:
         # At least position n-2 is fed again: its output gives the first draft token.
         seq.num_computed_tokens = min(seq.num_computed_tokens, req.num_tokens - 2)
         need = req.num_tokens + k - 2 - seq.num_computed_tokens  # positions up to n+k-3
+        return self._reserve(seq, need, wanted)
+
+    def _reserve(self, seq: _HeadSeq, need: int, wanted: set[str] | None) -> bool:
+        """Head cache slots for `need` more positions of seq, made where the cache is full by releasing the
+        state of requests not in `wanted` (not speculated right now; None: release nothing)."""
         if self.kv.allocate(seq, need):  # type: ignore[arg-type]
             return True
+        if wanted is None:
+            return False
         for rid in [rid for rid in self.seqs if rid not in wanted]:
-            self.release(rid)  # stale state of requests not speculated right now
+            self.release(rid)
         return self.kv.allocate(seq, need)  # type: ignore[arg-type]
 
     def _features(self, req: Request, lo: int, hi: int) -> torch.Tensor:

@@ -95,14 +95,18 @@ def test_prefill_role_keeps_hidden_states_but_builds_no_head_until_it_decodes():
 def test_dropped_target_states_are_read_from_the_cache(shipped):
     """A request holding more target states than max_held_states drops them (a whole prompt here) and
     its head reads them back from the target's hidden-state cache layers (no target pass): same
-    output, same acceptance."""
+    output, same acceptance. Holding them all, only a long prompt's later catch-up shares read the cache
+    (the head keeps one state between shares); dropped, each prompt's first share does too."""
     prompts, expected = shipped
-    llm = LLM(max_model_len=512, spec_max_batch=8, speculator="eagle", dtype="float32")
-    llm.engine.speculator.runner.max_held_states = 8
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
-    stats = llm.engine.speculator_stats()
-    assert stats["target_state_cache_reads"] == len(prompts) and stats["target_state_recomputes"] == 0
-    assert stats["acceptance_rate"] > 0.3
+    reads = []
+    for held in (1 << 20, 8):
+        llm = LLM(max_model_len=512, spec_max_batch=8, speculator="eagle", dtype="float32")
+        llm.engine.speculator.runner.max_held_states = held
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+        stats = llm.engine.speculator_stats()
+        reads.append(stats["target_state_cache_reads"])
+        assert stats["target_state_recomputes"] == 0 and stats["acceptance_rate"] > 0.3
+    assert reads[1] == reads[0] + len(prompts)
     check_clean(llm)
 
 
@@ -141,6 +145,7 @@ def test_head_cache_follows_accepted_tokens(shipped):
     fresh = EagleRunner(eng.config.draft_model, target=eng.runner, target_config=eng.model_config,
                         dtype=torch.float32, device=eng.runner.device, block_size=16, max_model_len=512, k=4,
                         max_seqs=8)
+    fresh.catch_up = lambda requests, budget=0, wanted=None: EagleRunner.catch_up(fresh, requests, 1 << 30, wanted)
     incremental, calls = spec.runner.propose, []
 
     def checked(requests, ks):
@@ -148,7 +153,8 @@ def test_head_cache_follows_accepted_tokens(shipped):
             fresh.release(rid)
         expected, _ = fresh.propose(requests, ks)
         got, probs = incremental(requests, ks)
-        calls.extend(got.get(r.request_id) == expected.get(r.request_id) for r in requests)
+        # A request still catching up (a share a step) is not proposed for yet: compared once it is.
+        calls.extend(got[r.request_id] == expected.get(r.request_id) for r in requests if r.request_id in got)
         return got, probs
 
     spec.runner.propose = checked
