@@ -58,14 +58,10 @@ static inline float load1w(float v) { return v; }
  * stream, prefetching PREFETCH_AHEAD bytes ahead into L2 one cache line per line consumed. The previous
  * layout (R = 1-4 rows together, the next group's bytes prefetched in one burst into L1) streamed the 55M
  * Llama's weights at 16-19 GB/s where a read-only sum reaches 26-29; this one reaches 23-27 (1-3 rows, 2
- * threads, weights evicted; docs/PERFORMANCE.md "Session 14"). One input row keeps U = 4 accumulators along K
- * (enough independent FMAs in flight; their sum is the only change of order). Only AVX2 builds use it: for
- * one row, and for 7-8 rows with U = 1 (in pairs their 14-16 accumulators would spill AVX2's 16 vector
- * registers); every other case runs in pairs of weight rows (below). One row of fp32 weights issues no
- * prefetches: there the hardware's own streamed faster (the 55M Llama's 57 one-row products, 2 threads,
- * five variants interleaved in one process, session 29: no prefetch 18.4-19.3 GB/s in 4 KiB pages and
- * 19.0-21.4 in 2 MiB pages, 2-16 KiB ahead 15.0-18.4), where bf16 weights and 2-8 rows still gain from them
- * (1.2-1.7x). */
+ * threads, weights evicted; docs/PERFORMANCE.md "Session 14"). Only AVX2 builds use it, for 7-8 rows with U = 1
+ * accumulator (in pairs their 14-16 accumulators would spill AVX2's 16 vector registers); one row runs in four
+ * streams (FOUR_STREAMS, below), every other case in pairs of weight rows (PAIR_ROWS). Prefetching gains 1.2-1.7x
+ * at 2-8 rows; one row streams faster on the hardware's own prefetchers (session 29). */
 /* Past one input row a vector's lanes are summed as a tree of halves (lanes i and i + L/2 first), not one
  * after another: the serial lane-order sum of the 2M accumulators cost ~14% of a 5-row product at K = 256 (the
  * shipped model's four layer linears, 2 threads: 5 rows 90.9 -> 78.2 us, 8 rows 119.1 -> 100.0); one row keeps
@@ -104,9 +100,8 @@ static inline float hsum8(f32x8 v) {
                 for (int u = 0; u < U; u++) acc[m][u] = (f32x8){0};                                          \
             int64_t k = 0;                                                                                    \
             for (; k + step <= K; k += step) {                                                                \
-                if (sizeof(T) != sizeof(float) || M > 1) /* one fp32 row streams faster without: above */     \
-                    for (int64_t b = 0; b < step * (int64_t)sizeof(T); b += 64)                               \
-                        __builtin_prefetch((const char *)(row + k + ahead) + b, 0, PREFETCH_LOCALITY);        \
+                for (int64_t b = 0; b < step * (int64_t)sizeof(T); b += 64)                                   \
+                    __builtin_prefetch((const char *)(row + k + ahead) + b, 0, PREFETCH_LOCALITY);            \
                 for (int u = 0; u < U; u++) {                                                                 \
                     const f32x8 wv = WIDEN8(row + k + 8 * u);                                                 \
                     for (int m = 0; m < M; m++) acc[m][u] += wv * load8f(x + m * K + k + 8 * u);             \
@@ -130,16 +125,21 @@ static inline float hsum8(f32x8 v) {
  * model's four layer linears, bf16 weights, 2 threads, six layers' weights rotating (docs/PERFORMANCE.md
  * "Session 19"): 4 rows 99 -> 80 us, 5 rows 110 -> 88, 6 rows 121 -> 96, 8 rows 140 -> 118; 16 lanes against
  * 8 ("Session 24"): 1 row 50.4 -> 45.3 us, 5 rows 91.0 -> 80.8, the model's batch-1 decode 1088-1105 ->
- * 1143-1165 tok/s. An odd last weight row is paired with itself (computed twice, stored once), so every
- * (m, n) sum runs in one order — L lanes along K, their sum as a tree (hsum), then the tail — whichever rows a
- * thread's share pairs: a different thread count (ThreadBackoff) never changes a bit. */
+ * 1143-1165 tok/s. The two rows of a pair come from the two halves of the thread's share, two read streams
+ * (adjacent rows were one): weights past L3 (the 55M Llama's linears, 2 threads, session 39) fp32 2 rows
+ * 1.27x, 3 rows 1.53x, bf16 1.22x; the shipped model's, in L3, unchanged (0.99-1.00x). An odd last weight row
+ * is paired with itself (computed twice, stored once), so every (m, n) sum runs in one order — L lanes along K,
+ * their sum as a tree (hsum), then the tail — whichever rows a thread's share pairs: a different thread count
+ * (ThreadBackoff) never changes a bit. */
 #define PAIR_ROWS(NAME, T, V, L, WIDENV, LOADV, WIDEN1, M)                                                    \
     static void NAME##_pairs##L##_##M(const float *x, const T *w, int64_t K, float *y, int64_t N, int64_t n0, \
                                       int64_t n1, const float *bias) {                                        \
         const int64_t ahead = PREFETCH_AHEAD / (int64_t)sizeof(T), kv = K / L * L;                            \
-        for (int64_t n = n0; n < n1; n += 2) {                                                                \
-            const int two = n + 1 < n1;                                                                       \
-            const T *r0 = w + n * K, *r1 = two ? r0 + K : r0;                                                 \
+        const int64_t half = (n1 - n0 + 1) / 2;                                                              \
+        for (int64_t i = 0; i < half; i++) {                                                                  \
+            const int64_t n = n0 + i, nb = n0 + half + i;                                                     \
+            const int two = nb < n1;                                                                          \
+            const T *r0 = w + n * K, *r1 = two ? w + nb * K : r0;                                             \
             V a0[M], a1[M];                                                                                   \
             for (int m = 0; m < M; m++) a0[m] = a1[m] = (V){0};                                              \
             for (int64_t k = 0; k < kv; k += L) {                                                             \
@@ -158,7 +158,7 @@ static inline float hsum8(f32x8 v) {
                 float s0 = M > 1 ? hsum##L(a0[m]) : lsum##L(a0[m]), s1 = M > 1 ? hsum##L(a1[m]) : lsum##L(a1[m]); \
                 for (int64_t j = kv; j < K; j++) s0 += x[m * K + j] * WIDEN1(r0[j]), s1 += x[m * K + j] * WIDEN1(r1[j]); \
                 y[m * N + n] = s0 + (bias ? bias[n] : 0.f);                                                   \
-                if (two) y[m * N + n + 1] = s1 + (bias ? bias[n + 1] : 0.f);                                  \
+                if (two) y[m * N + nb] = s1 + (bias ? bias[nb] : 0.f);                                        \
             }                                                                                                 \
         }                                                                                                     \
     }
@@ -205,14 +205,56 @@ PAIRS16(f32w, float, load16f, load1w)
 #undef PAIRS16
 #else
 #define STREAMS(NAME, T, WIDEN8, WIDEN1)                                                                      \
-    STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 1, 4) STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 7, 1)                    \
-    STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 8, 1)
+    STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 7, 1) STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 8, 1)
+/* One input row against four weight rows at a time, one from each quarter of the thread's share of W: four
+ * sequential read streams in flight where one row at a time kept one, so more of the memory's parallelism is
+ * used. The 55M Llama's 33 linears + lm_head, one row, 2 threads, weights in 2 MiB pages (docs/PERFORMANCE.md,
+ * session 39): fp32 24.6-27.5 -> 28.8-38.6 GB/s (1.17-1.36x; torch's own sum over the same bytes, the read
+ * limit bench.peer_vllm divides by, 27-31), the same shapes in bf16 1.38-1.41x; the shipped model's bf16
+ * weights, which sit in L3, neither gain nor lose (0.98-1.02x). Every row is summed in one order (two 8-lane
+ * accumulators along K in 16s, their sum, the 8-wide tail, the lanes in turn, the scalar tail), in a group of
+ * four or alone (the rows a share leaves over), so no thread count changes a bit. */
+#define FOUR_STREAMS(NAME, T, WIDEN8, WIDEN1)                                                                 \
+    static inline float NAME##_finish1(f32x8 a, const float *x, const T *r, int64_t k16, int64_t K) {         \
+        const int64_t k8 = K / 8 * 8;                                                                         \
+        for (int64_t k = k16; k < k8; k += 8) a += WIDEN8(r + k) * load8f(x + k);                            \
+        float s = lsum8(a);                                                                                   \
+        for (int64_t k = k8; k < K; k++) s += x[k] * WIDEN1(r[k]);                                           \
+        return s;                                                                                             \
+    }                                                                                                         \
+    static void NAME##_streams4(const float *x, const T *w, int64_t K, float *y, int64_t N, int64_t n0,      \
+                                int64_t n1, const float *bias) {                                              \
+        (void)N;                                                                                              \
+        const int64_t q = (n1 - n0) / 4, k16 = K / 16 * 16;                                                   \
+        for (int64_t i = 0; i < q; i++) {                                                                     \
+            const T *r[4];                                                                                    \
+            f32x8 a0[4], a1[4];                                                                               \
+            for (int j = 0; j < 4; j++) r[j] = w + (n0 + j * q + i) * K, a0[j] = a1[j] = (f32x8){0};          \
+            for (int64_t k = 0; k < k16; k += 16) {                                                           \
+                const f32x8 x0 = load8f(x + k), x1 = load8f(x + k + 8);                                       \
+                for (int j = 0; j < 4; j++) a0[j] += WIDEN8(r[j] + k) * x0, a1[j] += WIDEN8(r[j] + k + 8) * x1; \
+            }                                                                                                 \
+            for (int j = 0; j < 4; j++)                                                                       \
+                y[n0 + j * q + i] = NAME##_finish1(a0[j] + a1[j], x, r[j], k16, K) + (bias ? bias[n0 + j * q + i] : 0.f); \
+        }                                                                                                     \
+        for (int64_t n = n0 + 4 * q; n < n1; n++) { /* the rows left over, one at a time, in the same order */  \
+            const T *row = w + n * K;                                                                         \
+            f32x8 a0 = {0}, a1 = {0};                                                                         \
+            for (int64_t k = 0; k < k16; k += 16) {                                                           \
+                a0 += WIDEN8(row + k) * load8f(x + k);                                                        \
+                a1 += WIDEN8(row + k + 8) * load8f(x + k + 8);                                                \
+            }                                                                                                 \
+            y[n] = NAME##_finish1(a0 + a1, x, row, k16, K) + (bias ? bias[n] : 0.f);                          \
+        }                                                                                                     \
+    }
 #define PAIRS8(NAME, T, WIDEN8, WIDEN1)                                                                       \
     PAIR_ROWS(NAME, T, f32x8, 8, WIDEN8, load8f, WIDEN1, 2) PAIR_ROWS(NAME, T, f32x8, 8, WIDEN8, load8f, WIDEN1, 3) \
     PAIR_ROWS(NAME, T, f32x8, 8, WIDEN8, load8f, WIDEN1, 4) PAIR_ROWS(NAME, T, f32x8, 8, WIDEN8, load8f, WIDEN1, 5) \
     PAIR_ROWS(NAME, T, f32x8, 8, WIDEN8, load8f, WIDEN1, 6)
 STREAMS(bf16w, uint16_t, widen8, widen1)
 STREAMS(f32w, float, load8w, load1w)
+FOUR_STREAMS(bf16w, uint16_t, widen8, widen1)
+FOUR_STREAMS(f32w, float, load8w, load1w)
 PAIRS8(bf16w, uint16_t, widen8, widen1)
 PAIRS8(f32w, float, load8w, load1w)
 #undef STREAMS
@@ -248,7 +290,7 @@ int omp_get_num_threads(void);
 #else
 #define DISPATCH(NAME)                                                                                        \
     switch (M) {                                                                                              \
-        RUN_ROWS(NAME##_rows_1, 1) RUN_ROWS(NAME##_pairs8_2, 2) RUN_ROWS(NAME##_pairs8_3, 3)                 \
+        RUN_ROWS(NAME##_streams4, 1) RUN_ROWS(NAME##_pairs8_2, 2) RUN_ROWS(NAME##_pairs8_3, 3)                 \
         RUN_ROWS(NAME##_pairs8_4, 4) RUN_ROWS(NAME##_pairs8_5, 5) RUN_ROWS(NAME##_pairs8_6, 6)               \
         RUN_ROWS(NAME##_rows_7, 7) RUN_ROWS(NAME##_rows_8, 8)                                                \
     }                                                                                                         \
