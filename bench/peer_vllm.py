@@ -14,9 +14,11 @@ greedy agreement, batch-1 decode beside the weight-bandwidth limit, and (opt-in)
 2. batch-1 decode: in the same subprocesses, one 32-token prompt generating 1 token and one generating
    1 + `--decode-tokens` (fresh random prompts each time, so no prefix-cache hits), `--repeats` times;
    decode tok/s = decode tokens / (median long - median short). The limit: streaming-read bandwidth
-   (this process, same thread count, the best of before and after the engines; memcpy is printed
-   beside it) / the weight bytes a decode step reads (every weight but the embedding table, of which it
-   reads one row).
+   (this process, same thread count, the better of right before and right after that engine's run;
+   memcpy is printed beside it) / the weight bytes a decode step reads (every weight but the embedding
+   table, of which it reads one row). "of limit" is the median over rounds of each round's rate over its
+   own limit: this VM's bandwidth drifts 20-30% within minutes (one limit for the whole run put the same
+   engine at 73% and 105% in two runs an hour apart).
 3. `--serve`: bench/serve_peer.py (vllm serve, tandem up P/D and colocated, one client) with
    `--serve-args` passed through.
 4. `--interference`: bench/interference.py (tandem colocated and P/D, workers driven directly); the same
@@ -37,6 +39,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -108,8 +111,6 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I8": 1}
 def median_run(runs: list[dict]) -> dict:
     """One engine's rounds as one result: the median offline time and batch-1 rate (the tokens, for the
     agreement check, are the first round's; every round is greedy on the same requests)."""
-    import statistics
-
     return {**runs[0], "offline_s": statistics.median(r["offline_s"] for r in runs),
             "b1_tok_s": statistics.median(r["b1_tok_s"] for r in runs)}
 
@@ -136,9 +137,10 @@ def decode_weight_bytes(model: str) -> int:
 
 def read_gbps() -> float:
     """Streaming-read bandwidth: a decode step only reads its weights, so this, not memcpy (which also
-    writes), is its ceiling. A 256 MiB buffer (far past any L3 here), summed; best of 8, for a buffer in
-    4 KiB pages and one in 2 MiB pages (where tandem keeps CPU weights: tandem/models/weight_arena.py),
-    the faster of the two: the limit is the best this memory reads, whichever pages that takes."""
+    writes), is its ceiling. A 256 MiB buffer (far past any L3 here) reduced by torch, best of 8, in 4 KiB
+    pages and in 2 MiB pages (where tandem keeps CPU weights: tandem/models/weight_arena.py), as one sum and
+    as 16 row sums (each thread then reads several streams: 33-36 GB/s here where one sum read 30-31, and
+    tandem's own four-stream linear kernel 33-42): the fastest of them, the best this memory reads."""
     import time
 
     from tandem.models.weight_arena import hugepage_empty
@@ -146,10 +148,11 @@ def read_gbps() -> float:
     nbytes = 256 * 2**20
     best = float("inf")
     for buf in (torch.ones(nbytes // 4), hugepage_empty(nbytes).view(torch.float32).fill_(1.0)):
-        for _ in range(8):
-            t = time.perf_counter()
-            buf.sum()
-            best = min(best, time.perf_counter() - t)
+        for reduce in (lambda: buf.sum(), lambda: buf.view(16, -1).sum(1)):
+            for _ in range(8):
+                t = time.perf_counter()
+                reduce()
+                best = min(best, time.perf_counter() - t)
     return nbytes / best / 1e9
 
 
@@ -219,7 +222,11 @@ def main() -> None:
         for name in engines if rnd % 2 == 0 else engines[::-1]:
             python = sys.executable if name == "tandem" else a.vllm_python
             print(f"[{name}] round {rnd + 1}/{a.rounds} running ...", flush=True)
-            runs[name].append(run_engine(name, python, model, work_file, env, a.decode_tokens, a.repeats))
+            before = read_gbps()
+            run = run_engine(name, python, model, work_file, env, a.decode_tokens, a.repeats)
+            run["read_gbps"] = max(before, read_gbps())  # the round's own limit: see the module doc
+            rd.append(run["read_gbps"])
+            runs[name].append(run)
     results = {name: median_run(rs) for name, rs in runs.items()}
     bw.append(memcpy_gbps())
     rd.append(read_gbps())
@@ -233,19 +240,23 @@ def main() -> None:
               "command": shlex.join([sys.executable, "-m", "bench.peer_vllm", *sys.argv[1:]]),
               "memcpy_gbps": gbps, "read_gbps": rgbps, "decode_weight_mb": wbytes / 1e6,
               "b1_limit_tok_s": limit, "engines": {}}
-    print(f"\nthreads={a.threads} vllm bind={bind} memcpy={gbps:.1f} GB/s read={rgbps:.1f} GB/s; "
-          f"a decode step reads {wbytes / 1e6:.0f} MB of weights -> batch-1 limit {limit:.0f} tok/s; "
-          f"load {os.getloadavg()[0]:.2f}")
+    print(f"\nthreads={a.threads} vllm bind={bind} memcpy={gbps:.1f} GB/s read={min(rd):.1f}-{rgbps:.1f} GB/s; "
+          f"a decode step reads {wbytes / 1e6:.0f} MB of weights -> batch-1 limit up to {limit:.0f} tok/s "
+          f"(each round against its own); load {os.getloadavg()[0]:.2f}")
     print(f"{'engine':8} {'offline tok/s':>14} {'b1 decode tok/s':>16} {'of limit':>9}  info")
     for name, r in results.items():
         tps = out_tokens / r["offline_s"]
+        of_limit = [x["b1_tok_s"] * wbytes / (x["read_gbps"] * 1e9) for x in runs[name]]
         report["engines"][name] = {"offline_tok_s": tps, "b1_tok_s": r["b1_tok_s"], "info": r["info"],
+                                   "b1_of_limit": statistics.median(of_limit),
                                    "rounds_offline_tok_s": [out_tokens / x["offline_s"] for x in runs[name]],
-                                   "rounds_b1_tok_s": [x["b1_tok_s"] for x in runs[name]]}
-        print(f"{name:8} {tps:14.1f} {r['b1_tok_s']:16.1f} {r['b1_tok_s'] / limit:9.0%}  {r['info']}")
+                                   "rounds_b1_tok_s": [x["b1_tok_s"] for x in runs[name]],
+                                   "rounds_read_gbps": [x["read_gbps"] for x in runs[name]]}
+        print(f"{name:8} {tps:14.1f} {r['b1_tok_s']:16.1f} {statistics.median(of_limit):9.0%}  {r['info']}")
         if a.rounds > 1:
             offline = " ".join(f"{out_tokens / x['offline_s']:.1f}" for x in runs[name])
-            b1 = " ".join(f"{x['b1_tok_s']:.1f}" for x in runs[name])
+            b1 = " ".join(f"{x['b1_tok_s']:.1f} ({f:.0%} of {x['read_gbps']:.1f} GB/s)"
+                          for x, f in zip(runs[name], of_limit))
             print(f"{'':8} rounds: offline {offline}; b1 {b1}")
     if len(results) == 2:
         t, v = results["tandem"], results["vllm"]
