@@ -25,8 +25,9 @@ kernels/csrc/linear_cpu.c, which widens them in registers: the same products fro
 (the shipped model's 25 linears at one row: 2.80 -> 1.16 ms at 1 thread, 2.23 -> 0.68 ms at 2). Other
 fp32 weights (the 55M benchmark Llama's random ones) go through the same kernel's fp32 variant, also up
 to SMALL_BATCH rows: oneDNN's packed kernel streams such small products at 14-18 GB/s here, the C loop
-(each thread one prefetched stream of weight rows) at 21-23 GB/s from 1 to 5 rows and as fast as oneDNN
-at 6-8 (55M Llama's 33 linears, 2 threads: 1 row 10.7 -> 6.9 ms, 4 rows 8.9 -> 7.1 ms).
+(each thread reading its weight rows as one stream) at 21-23 GB/s from 1 to 5 rows and as fast as oneDNN
+at 6-8 (55M Llama's 33 linears, 2 threads: 1 row 10.7 -> 6.9 ms, 4 rows 8.9 -> 7.1 ms); since session 39 it
+reads one row's weights in four streams and 2-6 rows' in two: 1 row 25-39 GB/s, 3 rows ~31.
 
 The results differ from `F.linear` only by summation order (~1e-6 relative in fp32), as two BLAS
 builds would. `TANDEM_LINEAR=torch` switches back to `F.linear` (for A/B runs and as an escape
