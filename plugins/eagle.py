@@ -223,7 +223,8 @@ class EagleRunner:
                                      else none for r, _ in batch)  # writable: the C loop marks its drafts
             penalties = ([r.params.repetition_penalty for r, _ in batch],
                          torch.frombuffer(marks, dtype=torch.uint8).view(len(batch), -1))
-        drafted = self.fused.draft([t for _, toks, _, _ in feed for t in toks], torch.cat([f for _, _, f, _ in feed]),
+        states = feed[0][2].contiguous() if len(feed) == 1 else torch.cat([f for _, _, f, _ in feed])
+        drafted = self.fused.draft([t for _, toks, _, _ in feed for t in toks], states,
                                    [start for _, _, _, start in feed],
                                    [self.seqs[r.request_id].block_ids for r, _ in batch], steps, penalties)
         for (r, _), more in zip(batch, drafted or ()):

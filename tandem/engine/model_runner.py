@@ -103,8 +103,11 @@ class ModelRunner:
             rows = out_rows(sample_rows, positions, dev) if narrow else None
             hidden = self.forward(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
                                   step_metadata(self, decode, prefill, decode_q, slots, rows))
-        # Copies, so a speculator holding a few rows does not keep the whole step's tensor alive.
-        kept = {rid: (start, hidden[row:row + n].clone()) for rid, start, row, n in spans}
+        # Copies where a speculator holding a few rows would keep a prompt's whole output alive, or where the
+        # rows are a CUDA graph's output, which its next replay overwrites; a decode step's own are small.
+        copy = graphs is not None or bool(prefill)
+        kept = {rid: (start, hidden[row:row + n].clone() if copy else hidden[row:row + n])
+                for rid, start, row, n in spans}
         return self._finish(hidden, sample_rows, plain_masks, kept, narrowed=narrow)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
