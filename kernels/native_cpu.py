@@ -109,7 +109,7 @@ def library() -> ctypes.CDLL | None:
              + [i64, i32, i32] + [ptr] * 2 + [i64] + [ptr] * 2 + [i64, i64, ptr, i32, i32] + [ptr] * 4 + [i32, i32]),
             ("tandem_eagle_draft_scratch", i64, [ptr, i32, i64]),
             ("tandem_eagle_draft_f32", i32, [ptr, i32, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i32, ptr,
-                                             i64, i32, i32, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, i32]),
+                                             i64, i32, i32, ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, i32]),
         ]:
             fn = getattr(lib, name)
             fn.restype, fn.argtypes = restype, argtypes

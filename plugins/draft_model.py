@@ -20,6 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from kernels import fused, get_ops
 from plugins.eviction import LRUEviction
+from tandem.engine.decode_group import MAX_DECODE_QUERY_LEN, MAX_PADDED_ROWS
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.logits_processors import scale_repeated
 from tandem.engine.model_runner import position_seed
@@ -195,16 +196,19 @@ def seen_columns(req: Request, drafted: list[int], draft_ids: torch.Tensor | Non
 
 
 def paged_metadata(spans: list[tuple[list[int], int, int]], decode: bool, ops, kv_caches: list[torch.Tensor],
-                   block_size: int, device: torch.device) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+                   block_size: int, device: torch.device, pads: list[int] | None = None
+                   ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
     """Attention metadata of one pass over a speculator's own paged cache. spans: (block table, position
     of the first new token, number of new tokens) per sequence, all the same number (at most 16) if
-    `decode`. Returns the metadata, the positions of every token and the index of each sequence's last
-    token."""
+    `decode`; pads: how many of each span's first tokens are padding, which attend but write no K/V (slot
+    -1). Returns the metadata, the positions of every token and the index of each sequence's last token."""
     slots, positions, ends, starts, lens, tables = [], [], [], [0], [], []
-    for bt, start, n in spans:
+    for i, (bt, start, n) in enumerate(spans):
         pos = range(start, start + n)
         positions.extend(pos)
-        slots.extend(bt[p // block_size] * block_size + p % block_size for p in pos)
+        skip = pads[i] if pads else 0
+        slots.extend([-1] * skip)
+        slots.extend(bt[p // block_size] * block_size + p % block_size for p in pos[skip:])
         ends.append(len(positions) - 1)
         starts.append(len(positions))
         lens.append(start + n)
@@ -222,3 +226,23 @@ def paged_metadata(spans: list[tuple[list[int], int, int]], decode: bool, ops, k
         prefill_seq_lens=None if decode else seq_lens,
     )
     return meta, torch.tensor(positions, device=device), torch.tensor(ends, device=device)
+
+
+def padded(feed: list) -> tuple[list, list[int] | None]:
+    """An EAGLE first pass's catch-ups ((request, tokens, target states, first position) each, as
+    plugins/eagle.py's _forward takes them) as one decode pass, and each one's rows of padding: equal and
+    short as they are, unequal padded to the longest in front with positions the head already computed (fed
+    copies of the first row: padding attends and writes nothing), as the target's decode group pads short
+    queries; (feed, None) where that does not fit and the varlen prefill path takes them — a catch-up above one
+    decode query, more rows than MAX_PADDED_ROWS, fewer computed positions than the padding."""
+    lens = [len(toks) for _, toks, _, _ in feed]
+    longest = max(lens)
+    if longest > MAX_DECODE_QUERY_LEN:
+        return feed, None
+    if min(lens) == longest:
+        return feed, [0] * len(feed)
+    if len(feed) * longest > MAX_PADDED_ROWS or any(c < longest - n for (_, _, _, c), n in zip(feed, lens)):
+        return feed, None
+    pads = [longest - n for n in lens]
+    return [(r, toks[:1] * pad + toks, torch.cat([f[:1].expand(pad, -1), f]) if pad else f, c - pad)
+            for (r, toks, f, c), pad in zip(feed, pads)], pads

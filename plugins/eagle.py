@@ -13,10 +13,9 @@ by the engine after every forward pass: `observe`). One proposal of k tokens is 
 2. k-1 single-token passes, each feeding the previous draft token with the head's own predicted state.
 
 A request far behind (a long prompt, or one a prefill worker computed: D's head has run on none of it)
-catches up in one pass when it runs alone, but beside other requests CATCH_UP_TOKENS head positions a
-step, shared by all such requests, and is not speculated until it is within one decode query of its
-tokens: the head over a whole 900-token prompt in one step stalled every other stream of a decode
-worker for ~25 ms (~7x an EAGLE step of the shipped model).
+catches up in one pass when no other stream runs beside it (alone, or with prompts that arrived with it),
+else CATCH_UP_TOKENS head positions a step, shared by all such requests, undrafted until within one decode
+query of its tokens: a whole 900-token prompt at once stalled a decode worker's other streams ~25 ms.
 
 Drafted positions hold KV made from *predicted* states, so they are never kept: the next proposal
 recomputes them from the real states the verification pass produced (EAGLE's rule). Target states
@@ -36,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import get_ops
-from plugins.draft_model import own_cache, paged_metadata, sample_drafts
+from plugins.draft_model import own_cache, padded, paged_metadata, sample_drafts
 from plugins.eagle_fused import FusedDrafter
 from tandem.engine.model_runner import MAX_DECODE_QUERY_LEN
 from tandem.engine.request import Request
@@ -130,13 +129,13 @@ class EagleRunner:
     @torch.inference_mode()
     def catch_up(self, requests: list[Request], budget: int | None = None, wanted: set[str] | None = None) -> None:
         """Run the head over the requests' positions behind n-2 (n-3 and before), in order, up to `budget` of
-        them (default: all for a request alone, else CATCH_UP_TOKENS), now: in the step that computed a prompt
-        (vLLM's drafter also runs in the prefill's step), and in each later step of a request still far behind
-        (propose), so its first proposal feeds one row, the decode way, and no step beside other streams runs
-        the head over a whole long prompt. Position n-2 pairs with the token just sampled and is left to
-        `propose`, whose first draft comes from its output."""
+        them (default: all where the last step ran nothing else, else CATCH_UP_TOKENS), now: in the step that
+        computed a prompt (vLLM's drafter also runs in the prefill's step), and in each later step of a request
+        still far behind (propose), so its first proposal feeds one row, the decode way, and no step beside
+        other streams runs the head over a whole long prompt. Position n-2 pairs with the token just sampled
+        and is left to `propose`, whose first draft comes from its output."""
         if budget is None:
-            budget = CATCH_UP_TOKENS if max(self.step_width, len(requests)) > 1 else 1 << 62
+            budget = CATCH_UP_TOKENS if self.step_width > len(requests) else 1 << 62
         feed = []
         for r in requests:
             seq = self.seqs.setdefault(r.request_id, _HeadSeq())
@@ -164,9 +163,9 @@ class EagleRunner:
         """Draft ks[i] tokens after each request's token_ids; also the [k, V] distributions sampled
         from, for requests with temperature > 0."""
         wanted = {r.request_id for r in requests}
-        if any(map(self._behind, requests)):  # far behind: caught up (a share a step beside others), not drafted
-            self.catch_up([r for r in requests if self._behind(r)], CATCH_UP_TOKENS if len(requests) > 1 else None,
-                          wanted)
+        behind = [r for r in requests if self._behind(r)]
+        if behind:  # far behind: caught up (a share a step beside streams that draft), not drafted
+            self.catch_up(behind, CATCH_UP_TOKENS if len(requests) > len(behind) else 1 << 62, wanted)
         batch = [(r, k) for r, k in zip(requests, ks) if not self._behind(r) and self._prepare(r, k, wanted)]
         if not batch:
             return {}, {}
@@ -177,16 +176,16 @@ class EagleRunner:
         for r, _ in batch:
             c, n = self.seqs[r.request_id].num_computed_tokens, r.num_tokens
             feed.append((r, r.token_ids[c + 1:n], self._features(r, c, n - 1), c))
-        # Equal short catch-ups (always so at batch 1) attend from the cache like the target's verification
-        # rows do: the decode path is cheaper than the varlen prefill one.
-        lens = {len(toks) for _, toks, _, _ in feed}
-        decode = len(lens) == 1 and lens.pop() <= MAX_DECODE_QUERY_LEN
+        # Short catch-ups (always equal at batch 1) attend from the cache like the target's verification rows
+        # do, unequal ones padded (plugins/draft_model.py): the decode path is cheaper than the varlen prefill one.
+        feed, pads = padded(feed)
+        decode = pads is not None
         passes = max(k for _, k in batch)
         # Greedy requests drafting alike: every pass in C where it applies (plugins/eagle_fused.py).
         fused = self.fused is not None and all(r.params.greedy and k == passes for r, k in batch)
-        if fused and decode and self._fused_passes(batch, feed, tokens, passes):
+        if fused and decode and self._fused_passes(batch, feed, tokens, passes, pads):
             passes = 0
-        state = self._forward(feed, decode) if passes else None
+        state = self._forward(feed, decode, pads) if passes else None
         if state is not None:
             sample_drafts(batch, self.lm_head(state).float(), tokens, probs, self.vocab_size, self.generator,
                           self.draft_ids)
@@ -212,9 +211,9 @@ class EagleRunner:
         return tokens, {rid: torch.stack(rows) for rid, rows in probs.items()}
 
     def _fused_passes(self, batch: list[tuple[Request, int]], feed: list, tokens: dict[str, list[int]],
-                      steps: int) -> bool:
-        """Run `steps` greedy passes from feed (as _forward takes it, equal lengths) in one C call and append
-        their drafts; False (nothing appended) where the C loop does not apply."""
+                      steps: int, pads: list[int] | None = None) -> bool:
+        """Run `steps` greedy passes from feed (as _forward takes it, equal lengths, `pads` rows of padding
+        in front) in one C call and append their drafts; False (nothing appended) where it does not apply."""
         assert self.fused is not None
         penalties = None
         if any(r.params.repetition_penalty != 1.0 for r, _ in batch):  # drafts follow the penalized argmax
@@ -226,7 +225,8 @@ class EagleRunner:
         states = feed[0][2].contiguous() if len(feed) == 1 else torch.cat([f for _, _, f, _ in feed])
         drafted = self.fused.draft([t for _, toks, _, _ in feed for t in toks], states,
                                    [start for _, _, _, start in feed],
-                                   [self.seqs[r.request_id].block_ids for r, _ in batch], steps, penalties)
+                                   [self.seqs[r.request_id].block_ids for r, _ in batch], steps, penalties,
+                                   pads if pads and any(pads) else None)
         for (r, _), more in zip(batch, drafted or ()):
             tokens[r.request_id].extend(more)
         return drafted is not None
@@ -286,11 +286,14 @@ class EagleRunner:
             f = seq.features
         return f[lo - seq.feat_start:hi - seq.feat_start]
 
-    def _forward(self, feed: list[tuple[Request, list[int], torch.Tensor, int]], decode: bool) -> torch.Tensor:
-        """feed: (request, input tokens, target states paired with them, position of the first).
-        Returns the head's output (a predicted next target state) at each request's last token."""
+    def _forward(self, feed: list[tuple[Request, list[int], torch.Tensor, int]], decode: bool,
+                 pads: list[int] | None = None) -> torch.Tensor:
+        """feed: (request, input tokens, target states paired with them, position of the first); pads: rows
+        of padding in front. Returns the head's output (a predicted next target state) at each request's last token."""
         ids = torch.tensor([t for _, toks, _, _ in feed for t in toks], device=self.device)
         spans = [(self.seqs[r.request_id].block_ids, start, len(toks)) for r, toks, _, start in feed]
-        meta, positions, ends = paged_metadata(spans, decode, self.ops, self.kv_caches, self.block_size, self.device)
+        meta, positions, ends = paged_metadata(spans, decode, self.ops, self.kv_caches, self.block_size, self.device,
+                                               pads)
         out = self.head(self.embed(ids), torch.cat([f for _, _, f, _ in feed]), positions, meta)
         return out if len(ends) == len(out) else out[ends]  # one token each (passes 2..k): every row, in order
+

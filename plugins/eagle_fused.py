@@ -57,12 +57,14 @@ class FusedDrafter:
         return args, scratch
 
     def draft(self, tokens: list[int], states: torch.Tensor, start_pos: list[int], tables: list[list[int]],
-              steps: int, penalties: tuple[list[float], torch.Tensor] | None = None) -> list[list[int]] | None:
+              steps: int, penalties: tuple[list[float], torch.Tensor] | None = None,
+              pads: list[int] | None = None) -> list[list[int]] | None:
         """`steps` greedy drafts for each of B requests: a first pass over Q = len(tokens) // B rows each (row
         q of request b feeds tokens[b * Q + q] with states[b * Q + q] at position start_pos[b] + q), then
         single-token passes; None where the C loop does not apply. penalties: each request's repetition
         penalty and a uint8 [B, vocab_size] mark of the logit columns it applies to (its tokens so far;
-        the C loop marks each draft), so drafts follow the penalized argmax that verification takes.
+        the C loop marks each draft), so drafts follow the penalized argmax that verification takes. pads: how
+        many of each request's first-pass rows are padding (positions its head computed: attended, not written).
         Called every step at batch 1, so its arguments go as ctypes arrays (torch.tensor: ~5 us each) and
         what does not change between calls is kept with the plans."""
         lib = native_cpu.library()
@@ -91,7 +93,8 @@ class FusedDrafter:
             structs, len(structs), fc, lm, self.vocab_size, embed.data_ptr(),
             embed.shape[0], rotary.cos.data_ptr(), rotary.sin.data_ptr(), rotary.cos.shape[0], caches,
             self.kv_caches[0].shape[0], self.block_size, table, width, batch, rows // batch,
-            (ctypes.c_int64 * rows)(*tokens), states.data_ptr(), (ctypes.c_int64 * batch)(*start_pos), steps,
+            (ctypes.c_int64 * rows)(*tokens), states.data_ptr(), (ctypes.c_int64 * batch)(*start_pos),
+            None if pads is None else (ctypes.c_int32 * batch)(*pads), steps,
             None if self.draft_ids is None else self.draft_ids.data_ptr(),
             None if penalties is None else rep.data_ptr(), None if penalties is None else penalties[1].data_ptr(),
             drafts, scratch.data_ptr(), torch.get_num_threads())

@@ -3,7 +3,8 @@ the first decode step: alone, after the prefill step the head holds positions 0.
 feeds one row (every pass in C), and its drafts and head K/V are those of a head that caught up inside
 `propose` as before. Beside another stream it runs at most CATCH_UP_TOKENS positions a step: the request
 catches up over the next steps, undrafted, then proposes from the positions still behind, with the same
-head K/V and outputs as one pass. With speculation off (more requests than spec_max_batch) nothing runs."""
+head K/V and outputs as one pass; prompts that arrive together with nothing else running catch up whole in
+their prefill step. With speculation off (more requests than spec_max_batch) nothing runs."""
 
 import pytest
 import torch
@@ -30,11 +31,11 @@ def spy(runner) -> dict:
     seen: dict = {"forward": [], "shares": [], "drafted_from": []}
     forward, draft, catch_up = runner._forward, runner.fused.draft, runner.catch_up
 
-    def counted_forward(feed, decode):
+    def counted_forward(feed, decode, pads=None):
         seen["forward"].append(sum(len(toks) for _, toks, _, _ in feed))
         if seen.get("catching_up"):
             seen["shares"].append({r.request_id: len(toks) for r, toks, _, _ in feed})
-        return forward(feed, decode)
+        return forward(feed, decode, pads)
 
     def recorded_draft(tokens, *args):
         seen["drafted_from"].append(len(tokens))
@@ -144,6 +145,22 @@ def test_beside_another_stream_a_prompt_is_caught_up_a_share_a_step():
     for a, b in zip(new[3], old_run[3]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert new[4] == old_run[4] and list(map(len, new[4].values())) == [80, PARAMS.max_tokens]
+
+
+def test_prompts_arriving_together_alone_are_caught_up_whole():
+    """Two prompts admitted in one step with nothing else running: no stream to protect, so each is caught up
+    whole in the prefill step (shares of CATCH_UP_TOKENS would leave them behind), and outputs are unchanged."""
+    llm = LLM(max_model_len=512, spec_max_batch=8, speculator="eagle", dtype="float32")
+    engine, runner = llm.engine, llm.engine.speculator.runner
+    prompts = [engine.tokenize(s)[:n] for s, n in zip(heldout_code(), (2 * CATCH_UP_TOKENS + 9, CATCH_UP_TOKENS + 40))]
+    ids = [engine.add_request(None, prompt, PARAMS) for prompt in prompts]
+    engine.step()
+    assert [runner.seqs[rid].num_computed_tokens for rid in ids] == [len(p) - 1 for p in prompts]
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_invariants()
+    plain = LLM(max_model_len=512, dtype="float32").generate(prompts, PARAMS)
+    assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == [o.token_ids for o in plain]
 
 
 def test_nothing_is_caught_up_where_no_proposal_follows():

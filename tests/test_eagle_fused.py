@@ -1,8 +1,8 @@
 """The EAGLE draft loop in C (plugins/eagle_fused.py, kernels/csrc/eagle_draft_cpu.c) against the Python
 passes it replaces: the same drafts, bitwise the same head-cache K/V, the same output — at batch 1 (every
-pass in C), for a batch whose catch-ups differ in length (first pass in Python, the rest in C), and on a
-random tiny checkpoint and head; and a block table outside the head's cache refused before anything is
-written."""
+pass in C), for a batch whose catch-ups differ in length (padded in front to one decode pass, in C and in
+Python), and on a random tiny checkpoint and head; padding that writes nothing and changes no draft; and a
+block table outside the head's cache refused before anything is written."""
 
 import pytest
 import torch
@@ -15,11 +15,11 @@ pytestmark = pytest.mark.slow  # real models: deselected by -m 'not slow'
 
 
 def run(llm: LLM, prompts: list[list[int]], fused: bool, max_tokens: int, batch: int, penalty: float = 1.0) -> tuple:
-    """(outputs, every proposal in order, the head's K/V after each, how many C calls drafted)."""
+    """(outputs, every proposal in order, the head's K/V after each, [C calls that drafted, of them padded])."""
     runner = llm.engine.speculator.runner
     drafter = runner.fused
     runner.fused = drafter if fused else None
-    proposals, kv, calls = [], [], [0]
+    proposals, kv, calls = [], [], [0, 0]
     propose, draft = runner.propose, drafter.draft
 
     def spy_propose(requests, ks):
@@ -39,6 +39,7 @@ def run(llm: LLM, prompts: list[list[int]], fused: bool, max_tokens: int, batch:
     def spy_draft(*args):
         out = draft(*args)
         calls[0] += out is not None
+        calls[1] += out is not None and len(args) > 6 and args[6] is not None  # pads
         return out
 
     runner.propose, drafter.draft = spy_propose, spy_draft
@@ -51,16 +52,16 @@ def run(llm: LLM, prompts: list[list[int]], fused: bool, max_tokens: int, batch:
         del runner.propose
         del drafter.draft
         runner.fused = drafter
-    return outs, proposals, kv, calls[0]
+    return outs, proposals, kv, calls
 
 
-def check_same(llm: LLM, prompts: list[list[int]], max_tokens: int, batch: int, penalty: float = 1.0) -> int:
+def check_same(llm: LLM, prompts: list[list[int]], max_tokens: int, batch: int, penalty: float = 1.0) -> list[int]:
     # Once first, so that both runs below hit the prefix cache alike: a prompt's tail recomputed after a hit
     # gives the target's hidden states (the head's input) in other bits than a whole-prompt prefill.
     run(llm, prompts, False, max_tokens, batch, penalty)
     outs, proposals, caches, calls = run(llm, prompts, True, max_tokens, batch, penalty)
     ref_outs, ref_proposals, ref_caches, ref_calls = run(llm, prompts, False, max_tokens, batch, penalty)
-    assert ref_calls == 0 and outs == ref_outs
+    assert ref_calls[0] == 0 and outs == ref_outs
     assert proposals == ref_proposals  # every draft of every step
     assert len(caches) == len(ref_caches) and all(  # drafted positions' K/V included
         torch.equal(a, b) for step, ref in zip(caches, ref_caches) for a, b in zip(step, ref))
@@ -75,9 +76,9 @@ def shipped_llm():
 
 def test_batch_one_drafts_every_pass_in_c_as_python_does(shipped_llm):
     llm, prompts = shipped_llm
-    calls = check_same(llm, prompts, 48, batch=1)
+    calls, padded = check_same(llm, prompts, 48, batch=1)
     stats = llm.engine.speculator_stats()
-    assert stats["num_accepted_tokens"] > 0 and calls >= 4 * 48 // 5  # nearly every proposal, not a fallback
+    assert stats["num_accepted_tokens"] > 0 and calls >= 4 * 48 // 5 and padded == 0  # nearly every proposal
 
 
 def test_repetition_penalty_drafts_the_same_in_c_and_python_and_is_applied(shipped_llm):
@@ -85,7 +86,7 @@ def test_repetition_penalty_drafts_the_same_in_c_and_python_and_is_applied(shipp
     scales the seen columns and marks each draft; the Python passes alike), bitwise the same drafts; and a
     column the penalty scales far down is not drafted."""
     llm, prompts = shipped_llm
-    assert check_same(llm, prompts, 40, batch=2, penalty=1.2) > 0
+    assert check_same(llm, prompts, 40, batch=2, penalty=1.2)[0] > 0
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.2)
     alone = [o.token_ids for o in LLM(max_model_len=512).generate(prompts, params)]  # no speculation
     assert run(llm, prompts, True, 40, 2, penalty=1.2)[0] == alone
@@ -100,9 +101,12 @@ def test_repetition_penalty_drafts_the_same_in_c_and_python_and_is_applied(shipp
 
 def test_batch_with_unequal_catch_ups_drafts_the_same(shipped_llm):
     llm, prompts = shipped_llm
-    # Four requests accept different numbers of drafts, so their next catch-ups differ in length: the
-    # first pass then runs in Python (varlen) and the rest in C; max_tokens near the end trims k (Python).
-    assert check_same(llm, prompts, 30, batch=4) > 0
+    # Requests accept different numbers of drafts, so their next catch-ups differ in length: padded to one
+    # decode pass (C) where the rows fit (3 x 5), else varlen in Python (4 x 5), the later passes in C;
+    # max_tokens near the end trims k (Python).
+    calls, padded = check_same(llm, prompts, 30, batch=3)
+    assert calls > 0 and padded > 0
+    assert check_same(llm, prompts, 30, batch=4)[0] > 0
 
 
 def test_random_head_on_tiny_checkpoint_drafts_the_same(tmp_path):
@@ -110,7 +114,7 @@ def test_random_head_on_tiny_checkpoint_drafts_the_same(tmp_path):
     head = make_eagle_head(str(tmp_path / "head"), path)
     llm = LLM(path, num_kv_blocks=128, max_model_len=256, spec_max_batch=8, speculator="eagle", draft_model=head,
               num_speculative_tokens=3)
-    assert check_same(llm, repeating_prompts(seed=5), 24, batch=1) > 0
+    assert check_same(llm, repeating_prompts(seed=5), 24, batch=1)[0] > 0
 
 
 def test_block_outside_the_head_cache_is_refused_before_writing(shipped_llm):
@@ -129,3 +133,26 @@ def test_block_outside_the_head_cache_is_refused_before_writing(shipped_llm):
     assert runner.fused.draft([runner.vocab_size + 7, 6], states, [0], [[0]], 3) is None  # token not embedded
 
 
+
+
+def test_padding_writes_nothing_and_changes_no_draft(shipped_llm):
+    """A catch-up of 2 rows drafts as the same 2 rows padded in front by a computed position fed a junk token and
+    state (padding attends, writes no K/V): the same drafts, the head cache bitwise the same — the padded
+    position's K/V included; without the pad mark its junk K/V would be written there."""
+    llm, _ = shipped_llm
+    runner = llm.engine.speculator.runner
+    caches = runner.kv_caches
+    states = torch.randn(4, runner.head.config.hidden_size)
+    assert runner.fused.draft([5, 6, 7, 8], states, [0], [[0]], 1) is not None  # positions 0-3 computed
+    before = [c.clone() for c in caches]
+    plain = runner.fused.draft([7, 8], states[2:].contiguous(), [2], [[0]], 3)
+    plain_caches = [c.clone() for c in caches]
+    for c, b in zip(caches, before):
+        c.copy_(b)
+    junk = torch.cat([torch.randn(1, states.shape[1]), states[2:]])
+    assert runner.fused.draft([9, 7, 8], junk, [1], [[0]], 3, None, [1]) == plain
+    assert all(torch.equal(c, p) for c, p in zip(caches, plain_caches))
+    for c, b in zip(caches, before):
+        c.copy_(b)
+    runner.fused.draft([9, 7, 8], junk, [1], [[0]], 3)  # the same rows unmarked: position 1 overwritten
+    assert not all(torch.equal(c, p) for c, p in zip(caches, plain_caches))

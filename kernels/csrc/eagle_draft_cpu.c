@@ -43,13 +43,15 @@ int64_t tandem_eagle_draft_scratch(const tandem_layer_t *layers, int32_t num_lay
  * pass marks its draft, which the next passes then see too. tables [B, table_stride] int32; caches[l] as the fused layer takes them;
  * cos/sin [max_pos, D]. Returns 0, or before the failing pass writes anything: -1 for a bad shape (B * Q
  * outside 1..MAX_ROWS, a linear refused), -2 for a position, block or token out of range, -3 if attention
- * refused. */
+ * refused. With `pads` [B] (NULL: none) the first pads[b] rows of sequence b's first pass are padding: positions
+ * its head already computed, which attend like the rest but write no K/V (slot -1), so catch-ups of unequal
+ * lengths run as one pass of Q rows each (the target's decode group pads its short queries the same way). */
 int tandem_eagle_draft_f32(const tandem_layer_t *layers, int32_t num_layers, const tandem_linear_t *fc,
                            const tandem_linear_t *lm_head, int64_t vocab, const float *embed, int64_t embed_rows,
                            const float *cos, const float *sin, int64_t max_pos, float *const *caches,
                            int64_t num_blocks, int32_t BS, const int32_t *tables, int64_t table_stride, int32_t B,
                            int32_t Q, const int64_t *in_tokens, const float *in_states, const int64_t *start_pos,
-                           int32_t steps, const int64_t *to_target, const float *rep_penalty, uint8_t *seen,
+                           const int32_t *pads, int32_t steps, const int64_t *to_target, const float *rep_penalty, uint8_t *seen,
                            int64_t *drafts, float *scratch, int num_threads) {
     if (B < 1 || Q < 1 || (int64_t)B * Q > MAX_ROWS || num_layers < 1) return -1;
     const int64_t hidden = layers[0].o.out_features, D = layers[0].head_dim, V = lm_head->out_features;
@@ -67,7 +69,7 @@ int tandem_eagle_draft_f32(const tandem_layer_t *layers, int32_t num_layers, con
                 const int64_t r = (int64_t)b * q_len + q, p = first + q;
                 const int64_t tok = s ? drafts[b * steps + s - 1] : in_tokens[r];
                 if (p < 0 || p >= max_pos || p / BS >= table_stride || tok < 0 || tok >= embed_rows) return -2;
-                slots[r] = (int64_t)row[p / BS] * BS + p % BS;
+                slots[r] = !s && pads && q < pads[b] ? -1 : (int64_t)row[p / BS] * BS + p % BS;
                 memcpy(cs + r * D, cos + p * D, sizeof(float) * D);
                 memcpy(sn + r * D, sin + p * D, sizeof(float) * D);
                 memcpy(cat + r * 2 * hidden, embed + tok * hidden, sizeof(float) * hidden);
