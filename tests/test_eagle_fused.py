@@ -156,3 +156,30 @@ def test_padding_writes_nothing_and_changes_no_draft(shipped_llm):
         c.copy_(b)
     runner.fused.draft([9, 7, 8], junk, [1], [[0]], 3)  # the same rows unmarked: position 1 overwritten
     assert not all(torch.equal(c, p) for c, p in zip(caches, plain_caches))
+
+
+def test_a_verifying_step_stays_within_the_one_call_rows(shipped_llm):
+    """Four decoding requests drafting k = 4 would verify 20 rows, past the 16 a CPU step runs as one C call
+    (every layer's ops one by one: 2x slower steps): each then proposes at most 3 (spec_decode.step_limit),
+    while two requests still propose 4; the outputs stay plain greedy decoding's."""
+    llm, prompts = shipped_llm
+    runner, steps = llm.engine.runner, []  # (requests verifying, most drafts, rows)
+    execute = runner.execute
+
+    def recorded_execute(out):
+        drafted = [len(s.spec_token_ids) for s in out.scheduled if s.spec_token_ids]
+        if drafted:
+            steps.append((len(drafted), max(drafted), sum(s.num_new_tokens for s in out.scheduled)))
+        return execute(out)
+
+    runner.execute = recorded_execute
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    try:
+        outs = [[o.token_ids for o in llm.generate(batch, params)] for batch in (prompts, prompts[:2])]
+    finally:
+        del runner.execute
+    four = [s for s in steps if s[0] == 4]
+    assert four and max(d for _, d, _ in four) == 3 and max(rows for _, _, rows in four) <= 16
+    assert max(d for n, d, _ in steps if n == 2) == 4
+    plain = LLM(max_model_len=512)
+    assert outs == [[o.token_ids for o in plain.generate(batch, params)] for batch in (prompts, prompts[:2])]

@@ -63,6 +63,15 @@ def run_model(model, input_ids: torch.Tensor, positions: torch.Tensor, meta,
     return out, logits, None if best is None else best[:]
 
 
+def stack_rows(model, kv_caches: list) -> int | None:
+    """The most rows run_model takes for this model body (its layer stack's limit), or None where it does not
+    apply (no native kernels, not allowed, a layer without a C plan)."""
+    if native_cpu.library() is None or not fused.ALLOWED:
+        return None
+    stack = _stack(model.layers, kv_caches)
+    return None if stack is None else min(stack.max_rows, fused_decode.MAX_ROWS)
+
+
 def _hidden_caches(kv_caches: list, n: int, stack: _Stack) -> ctypes.Array | None:
     """The addresses of the last n cache layers (the hidden-state layers) for the C call to store the final hidden
     states into, or None where one is not an fp32 CPU tensor laid out as the layers' caches (the runner's

@@ -57,10 +57,13 @@ class Speculator(ABC):
         self.ctx = ctx
         self.k = ctx.config.num_speculative_tokens
         self.draft_probs: dict[str, torch.Tensor] = {}
+        self.step_limit: int | None = None  # set by the engine around one proposal (spec_decode.attach_proposals)
 
     def num_to_propose(self, req: Request) -> int:
-        """k, less where max_tokens is near: a verifying step emits up to proposals + 1 tokens."""
-        return max(0, min(self.k, req.max_tokens - req.num_output_tokens - 1))
+        """k (or the engine's limit for this step, if lower), less where max_tokens is near: a verifying step
+        emits up to proposals + 1 tokens."""
+        k = self.k if self.step_limit is None else min(self.k, self.step_limit)
+        return max(0, min(k, req.max_tokens - req.num_output_tokens - 1))
 
     @abstractmethod
     def propose(self, requests: Sequence[Request]) -> dict[str, list[int]]:
