@@ -296,4 +296,3 @@ class EagleRunner:
                                                pads)
         out = self.head(self.embed(ids), torch.cat([f for _, _, f, _ in feed]), positions, meta)
         return out if len(ends) == len(out) else out[ends]  # one token each (passes 2..k): every row, in order
-

@@ -51,8 +51,8 @@ int tandem_eagle_draft_f32(const tandem_layer_t *layers, int32_t num_layers, con
                            const float *cos, const float *sin, int64_t max_pos, float *const *caches,
                            int64_t num_blocks, int32_t BS, const int32_t *tables, int64_t table_stride, int32_t B,
                            int32_t Q, const int64_t *in_tokens, const float *in_states, const int64_t *start_pos,
-                           const int32_t *pads, int32_t steps, const int64_t *to_target, const float *rep_penalty, uint8_t *seen,
-                           int64_t *drafts, float *scratch, int num_threads) {
+                           const int32_t *pads, int32_t steps, const int64_t *to_target, const float *rep_penalty,
+                           uint8_t *seen, int64_t *drafts, float *scratch, int num_threads) {
     if (B < 1 || Q < 1 || (int64_t)B * Q > MAX_ROWS || num_layers < 1) return -1;
     const int64_t hidden = layers[0].o.out_features, D = layers[0].head_dim, V = lm_head->out_features;
     const int64_t cols = vocab < V ? vocab : V;
