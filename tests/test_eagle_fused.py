@@ -9,6 +9,7 @@ import torch
 from test_speculative import repeating_prompts
 from tiny_models import heldout_code, make_checkpoint, make_eagle_head
 
+from plugins.draft_model import padded
 from tandem import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow  # real models: deselected by -m 'not slow'
@@ -183,3 +184,23 @@ def test_a_verifying_step_stays_within_the_one_call_rows(shipped_llm):
     assert max(d for n, d, _ in steps if n == 2) == 4
     plain = LLM(max_model_len=512)
     assert outs == [[o.token_ids for o in plain.generate(batch, params)] for batch in (prompts, prompts[:2])]
+
+
+def test_padded_catch_ups():
+    """plugins/draft_model.padded: equal catch-ups as they are; unequal ones padded in front to the longest
+    (copies of the first row, started as many positions earlier); None where the rows pass 16, a catch-up
+    passes one decode query, or a head has computed fewer positions than its padding."""
+    def feed(*spans):  # (rows, first position) -> (request, tokens, states, first position)
+        return [(f"r{i}", list(range(10 * i, 10 * i + n)), torch.arange(float(n)).repeat(2, 1).T + i, c)
+                for i, (n, c) in enumerate(spans)]
+
+    same = feed((3, 40), (3, 7))
+    assert padded(same) == (same, [0, 0])
+    out, pads = padded(feed((1, 40), (4, 9), (2, 5)))
+    assert pads == [3, 0, 2]
+    assert [(toks, c) for _, toks, _, c in out] == [([0, 0, 0, 0], 37), ([10, 11, 12, 13], 9), ([20, 20, 20, 21], 3)]
+    assert torch.equal(out[2][2][:, 0], torch.tensor([2.0, 2, 2, 3]))  # the first row thrice, then its own two
+    for spans in (((5, 40), (1, 40), (5, 40), (5, 40)),  # 4 x 5 rows > 16
+                  ((17, 40), (17, 40)),  # past one decode query
+                  ((4, 40), (1, 2))):  # 3 rows of padding before position 2
+        assert padded(feed(*spans))[1] is None
