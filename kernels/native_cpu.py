@@ -106,7 +106,8 @@ def library() -> ctypes.CDLL | None:
             ("tandem_decode_layers_f32", i32, [ptr, i32] + [ptr] * 5 + [i64] + [ptr] * 2 + [i64, i32] + [ptr] * 2
              + [i64, ptr] + [i32] * 2 + [i32]),
             ("tandem_decode_model_f32", i32, [ptr, i32] + [ptr] * 3 + [i64] + [ptr] * 2 + [i64, ptr, f32] + [ptr] * 4
-             + [i64, i32, i32] + [ptr] * 2 + [i64] + [ptr] * 2 + [i64, i64, ptr, i32, i32] + [ptr] * 4 + [i32, i32]),
+             + [i64, i32, i32] + [ptr] * 2 + [i64] + [ptr] * 2 + [i64, i64, ptr, i32, i32] + [ptr] * 4 + [i64, ptr]
+             + [i32, i32]),
             ("tandem_eagle_draft_scratch", i64, [ptr, i32, i64]),
             ("tandem_eagle_draft_f32", i32, [ptr, i32, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i32, ptr,
                                              i64, i32, i32, ptr, ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, ptr, i32]),

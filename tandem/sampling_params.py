@@ -187,7 +187,7 @@ def _check_number(name: str, value: object) -> None:
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # structured_outputs.reasoning_block: the grammar applies after a <think> block the output starts inside
-# ("open") or may start with ("optional"); tandem/engine/structured.py after_reasoning
+# ("open") or may start with ("optional"); tandem/engine/grammar_text.py after_reasoning
 REASONING_BLOCKS = ("open", "optional")
 MAX_LOGIT_BIAS = 300
 

@@ -13,7 +13,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from tandem.default_model import ASSETS_DIR, TARGET_NAME
-from tandem.engine.structured import Grammars, spec_key
+from tandem.engine.grammar_text import spec_key
+from tandem.engine.structured import Grammars
 from tandem.sampling_params import SamplingParams
 
 TARGET = ASSETS_DIR / TARGET_NAME

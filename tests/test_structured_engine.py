@@ -146,3 +146,22 @@ def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(ckpt, llm, spe
         for out in outs:
             assert valid(out.text) and out.finish_reason == "stop" and len(out.token_ids) < 30, \
                 (spec, out.text, out.finish_reason, len(out.token_ids))
+
+
+def test_grammar_rows_and_free_rows_in_one_step_each_match_their_run_alone(llm):
+    """On a CPU a small decode step takes every row's argmax in its C call, a grammar row's under the mask
+    made for it before the forward (AttentionMetadata.argmax_masks: an address per row of the step, 0 for a
+    free row). Mixed in one batch, each request equals its run alone: a mask on the wrong row, or on a free
+    row, changes some output; the grammar rows' outputs are all their grammar accepts (24 tokens: a prefix)."""
+    prompts = [llm.engine.tokenizer.encode(t) for t in ("def parse(text):\n    return ", "import os\n", "x = ",
+                                                        "class A:\n")]
+    specs = [SPECS[0], None, SPECS[1], None]
+    params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs=s and s[0]) for s in specs]
+    together = llm.generate(prompts, params)
+    alone = [llm.generate([p], q)[0] for p, q in zip(prompts, params)]
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    free = [o.text for o, s in zip(alone, specs) if s is None]
+    assert not any(check(t) for t in free for _, check in SPECS[1:])  # so a mask on a free row would show
+    for out, spec in zip(together, specs):
+        if spec is not None:
+            assert not llm.engine.grammars.state(spec[0], out.token_ids).matcher.is_error()

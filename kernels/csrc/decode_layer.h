@@ -40,5 +40,7 @@ int tandem_decode_layer_f32(const tandem_layer_t *L, const float *x_in, float *x
                             const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, int32_t B,
                             int32_t Q, float *scratch, int num_threads);
 void tandem_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t *out, int num_threads);
+void tandem_argmax_masked_rows_f32(const float *x, int64_t rows, int64_t cols, const int32_t *const *row_masks,
+                                   int64_t n_words, int64_t *best, int num_threads);
 
 #endif

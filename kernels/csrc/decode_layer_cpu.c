@@ -123,7 +123,8 @@ static void store_hidden_rows(const float *states, int64_t T, int64_t hidden, fl
  * the decoder layers (tandem_decode_layers_f32, into x_out via x_tmp), the final RMSNorm of x_out into normed
  * and, given a head (the lm_head's plan; NULL: none), every row's logits from normed and their argmax into best
  * (tandem_argmax_f32's, while the logits are in cache: the greedy sampler's pass over them cost ~80 us from Python
- * after the step, ~10 here; NULL: not taken). The block tables are
+ * after the step, ~10 here; NULL: not taken; a row with a grammar mask in row_masks (NULL, or one per row, each
+ * NULL or mask_words int32 words) gets its masked argmax, see tandem_argmax_masked_rows_f32). The block tables are
  * checked here, not in Python: every block a layer reads (window 0: every block below the length; else the
  * largest window of the layers) must be in the cache.
  * Why: after the layers' weight streams have evicted the interpreter's code and data, the embedding lookup, the
@@ -143,8 +144,8 @@ int tandem_decode_model_f32(const tandem_layer_t *layers, int32_t n_layers, floa
                             int32_t BS, int32_t check_window, const int64_t *ids, const int64_t *positions,
                             int64_t T, const int64_t *slots, const int32_t *tables, int64_t table_stride,
                             int64_t table_width, const int32_t *seq_lens, int32_t B, int32_t Q, float *normed,
-                            float *logits, int64_t *best, float *const *hidden_caches, int32_t n_hidden,
-                            int num_threads) {
+                            float *logits, int64_t *best, const int32_t *const *row_masks, int64_t mask_words,
+                            float *const *hidden_caches, int32_t n_hidden, int num_threads) {
     const int64_t hidden = layers[0].o.out_features, D = layers[0].head_dim;
     for (int32_t b = 0; b < B; b++) {
         const int64_t len = seq_lens[b], behind = check_window > 0 ? len - Q - check_window + 1 : 0;
@@ -169,6 +170,6 @@ int tandem_decode_model_f32(const tandem_layer_t *layers, int32_t n_layers, floa
     store_hidden_rows(normed, T, hidden, hidden_caches, n_hidden, (int64_t)layers[0].kv_heads * D, BS, slots);
     if (!head) return 0;
     if (tandem_run_linear(head, normed, logits, T, num_threads)) return -1;
-    if (best) tandem_argmax_f32(logits, T, head->out_features, best, num_threads);
+    if (best) tandem_argmax_masked_rows_f32(logits, T, head->out_features, row_masks, mask_words, best, num_threads);
     return 0;
 }

@@ -161,6 +161,24 @@ void tandem_masked_argmax_f32(const float *x, int64_t row_stride, int64_t cols, 
     }
 }
 
+/* best[r] = row r's argmax as tandem_argmax_f32 gives it, or where row_masks[r] is not NULL, its masked argmax
+ * under those n_words words as tandem_masked_argmax_f32 gives it (a mask allowing nothing: 0). A small decode
+ * step's C call takes it while the logits are in cache; the masks were made before the forward
+ * (tandem/engine/structured.py: after it, every llguidance and ctypes call ran with its data evicted). */
+void tandem_argmax_masked_rows_f32(const float *x, int64_t rows, int64_t cols, const int32_t *const *row_masks,
+                                   int64_t n_words, int64_t *best, int num_threads) {
+    if (!row_masks) {
+        tandem_argmax_f32(x, rows, cols, best, num_threads);
+        return;
+    }
+    const int64_t limit = n_words * 32 < cols ? n_words * 32 : cols;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t first;
+        const int64_t b = first_max(x + r * cols, row_masks[r], row_masks[r] ? limit : cols, &first);
+        best[r] = b >= 0 ? b : (row_masks[r] && first >= 0 ? first : 0);
+    }
+}
+
 /* Structured outputs: x[r, t] = -inf for every token t whose bit is clear in row r's llguidance mask
  * (bit b of int32 word w is token 32 w + b) and for the columns past the mask's vocabulary (`vocab`:
  * padded logits rows). In place; `row_ids` (or NULL: 0, 1, ...) names the row of x each mask row is for.

@@ -89,7 +89,7 @@ class ModelRunner:
                 k = 1 + len(s.spec_token_ids)
                 sample_rows.append((s, len(input_ids) - k, k))
         dev = self.device
-        plain_masks = self._start_masks(sample_rows)  # grammar masks are computed while the model runs
+        plain_masks, argmax_masks = self._start_masks(sample_rows, len(input_ids))  # made before the model runs
         graphs, hidden = graphs_for(self, decode, prefill, decode_q), None
         if graphs is not None:
             hidden = graphs.run(input_ids, positions, slots, [held(s.request.block_ids) for s in decode],
@@ -101,14 +101,16 @@ class ModelRunner:
             narrow = bool(prefill) and not (self.keep_hidden or self.hidden_layers) and sum(
                 k for _, _, k in sample_rows) < len(input_ids)
             rows = out_rows(sample_rows, positions, dev) if narrow else None
-            hidden = self.forward(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev),
-                                  step_metadata(self, decode, prefill, decode_q, slots, rows))
+            meta = step_metadata(self, decode, prefill, decode_q, slots, rows)
+            meta.argmax_masks = None if argmax_masks is None else argmax_masks[:2]
+            hidden = self.forward(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta)
         # Copies where a speculator holding a few rows would keep a prompt's whole output alive, or where the
         # rows are a CUDA graph's output, which its next replay overwrites; a decode step's own are small.
         copy = graphs is not None or bool(prefill)
         kept = {rid: (start, hidden[row:row + n].clone() if copy else hidden[row:row + n])
                 for rid, start, row, n in spans}
-        return self._finish(hidden, sample_rows, plain_masks, kept, narrowed=narrow)
+        return self._finish(hidden, sample_rows, plain_masks, kept, narrowed=narrow,
+                            premasked=None if argmax_masks is None else argmax_masks[2])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model, then (for a speculator that reads them) its final hidden states into their cache layers."""
@@ -119,55 +121,73 @@ class ModelRunner:
         return hidden
 
     def _finish(self, hidden: torch.Tensor, sample_rows: list, plain_masks: Any, kept: dict,
-                narrowed: bool = False) -> StepResult:
-        """Logits of the rows that sample, and the sampled tokens (`narrowed`: hidden holds just those)."""
+                narrowed: bool = False, premasked: torch.Tensor | None = None) -> StepResult:
+        """Logits of the rows that sample, and the sampled tokens (`narrowed`: hidden holds just those;
+        `premasked`: the masks of the greedy rows under a grammar, made by _start_masks for the forward's C argmax)."""
         if not sample_rows:
             return StepResult({}, {}, kept)
         rows = [i for _, start, k in sample_rows for i in range(start, start + k)]
         if not narrowed and (len(rows) < hidden.shape[0] or rows[-1] != len(rows) - 1):  # else no copy
             hidden = hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
-        result = self._sample(sample_rows, logits, plain_masks)
+        result = self._sample(sample_rows, logits, plain_masks, premasked)
         result.hidden = kept
         return result
 
     @staticmethod
-    def _start_masks(sample_rows: list[tuple[ScheduledRequest, int, int]]) -> Any:
-        """Structured outputs: a future of (rows among the plain ones, their allowed-token masks), for
+    def _start_masks(sample_rows: list[tuple[ScheduledRequest, int, int]], num_rows: int) -> tuple[Any, Any]:
+        """Structured outputs: (a future of (rows among the plain ones, their allowed-token masks), for
         the rows masked before sampling (top-k / top-p / min-p, or a model that keeps fighting its
-        grammar: GrammarState.masks_first); the others are checked after (`_check_grammar`).
-        On a GPU llguidance computes them on its own threads, without the GIL, while the forward pass
-        runs; on a CPU, here and now (structured.py: the forward's threads hold every core)."""
-        plain = [s.request for s, _, _ in sample_rows if not s.spec_token_ids]
-        constrained = [i for i, r in enumerate(plain) if r.grammar is not None]
-        for i in constrained:
-            plain[i].grammar.sync(plain[i].token_ids, plain[i].num_prompt_tokens)
-        constrained = [i for i in constrained if plain[i].grammar.masks_first(plain[i].params)]
-        if not constrained:
-            return None
-        states = [plain[i].grammar for i in constrained]
-        return constrained, states[0].grammars.allowed_batch_async(states)
+        grammar: GrammarState.masks_first), or None; the argmax masks, or None). The others are checked
+        after (`_check_grammar`). On a GPU llguidance computes them on its own threads, without the GIL,
+        while the forward pass runs; on a CPU, here and now (structured.py: the forward's threads hold every
+        core) — and a CPU's greedy rows get theirs here too, for the forward's C call to take each row's
+        argmax under (AttentionMetadata.argmax_masks: `num_rows` addresses)."""
+        first, greedy, states, i = [], [], [], 0  # i: the index among the plain rows (no draft tokens)
+        for s, row, _ in sample_rows:
+            if s.spec_token_ids:
+                continue
+            r, state = s.request, s.request.grammar
+            if state is not None:
+                state.sync(r.token_ids, r.num_prompt_tokens)
+                if state.masks_first(r.params):
+                    first.append(i)
+                    states.append(state)
+                elif r.params.greedy:  # on a CPU: its mask for the forward's C argmax (a GPU's: masks_first)
+                    greedy.append((state, row))
+            i += 1
+        argmax_masks = structured.argmax_masks(greedy, num_rows) if greedy else None
+        return (first, states[0].grammars.allowed_batch_async(states)) if first else None, argmax_masks
 
-    def _check_grammar(self, reqs: list[Any], rows: torch.Tensor, masked: list[int], sample: Any) -> list[int]:
+    def _check_grammar(self, reqs: list[Any], rows: torch.Tensor, masked: list[int], sample: Any,
+                       premasked: torch.Tensor | None = None) -> list[int]:
         """Tokens for the plain rows `rows` (one per request of `reqs`; the rows `masked` were masked
-        before sampling). A greedy row under a grammar takes its masked argmax (structured.greedy_allowed:
-        one pass, no separate argmax); other rows sample (`sample(row indices)`), and a temperature row
-        under a grammar keeps its token if the grammar allows it. The rest are drawn again from their
-        masked row. Exact: for sampling, P(x) = p(x) + (1 - Z) p(x) / Z = p(x) / Z for an allowed x
-        (Z = the allowed mass): the masked, renormalised distribution. A model that mostly follows its
-        grammar then costs a check per sampled row instead of a mask."""
-        skip = set(masked)
-        checked = [i for i, r in enumerate(reqs) if r.grammar is not None and i not in skip]
-        greedy = [i for i in checked if reqs[i].params.greedy]
-        others = [i for i in range(len(reqs)) if i not in greedy] if greedy else list(range(len(reqs)))
+        before sampling). A greedy row under a grammar takes its masked argmax (structured.greedy_tokens:
+        the forward's own where it had the masks, `premasked`, else one pass, no separate argmax); other
+        rows sample (`sample(row indices)`), and a temperature row under a grammar keeps its token if the
+        grammar allows it (consuming it). The rest are drawn again from their masked row. Exact: for
+        sampling, P(x) = p(x) + (1 - Z) p(x) / Z = p(x) / Z for an allowed x (Z = the allowed mass): the
+        masked, renormalised distribution. A model that mostly follows its grammar then costs a check per
+        sampled row instead of a mask."""
+        greedy, others, drawn = [], [], []  # drawn: sampled rows under a grammar, checked after
+        for i, r in enumerate(reqs):
+            if r.grammar is None or i in masked:
+                others.append(i)
+            elif r.params.greedy:
+                greedy.append(i)
+            else:
+                others.append(i)
+                drawn.append(i)
         tokens: list[int] = [0] * len(reqs)
         for i, token in zip(others, sample(others) if others else ()):
             tokens[i] = token
         if greedy:
-            for i, token in zip(greedy, structured.greedy_allowed(rows, greedy, [reqs[i].grammar for i in greedy])):
+            held = getattr(self.model, "fused_argmax", None)  # the forward's own argmax of these very rows
+            argmax = held[1] if premasked is not None and held is not None and held[0] is rows else None
+            for i, token in zip(greedy, structured.greedy_tokens(rows, greedy, [reqs[i].grammar for i in greedy],
+                                                                 argmax, premasked)):
                 tokens[i] = token
-        drawn = [i for i in checked if i in others]
-        refused = [i for i in drawn if not reqs[i].grammar.allows(tokens[i])]
+        refused = [i for i in drawn if not reqs[i].grammar.take(tokens[i])]
         for i in drawn:
             reqs[i].grammar.record(i in refused)
         if not refused:
@@ -183,7 +203,7 @@ class ModelRunner:
         return tokens
 
     def _sample(self, sample_rows: list[tuple[ScheduledRequest, int, int]], logits: torch.Tensor,
-                plain_masks: Any = None) -> StepResult:
+                plain_masks: Any = None, premasked: torch.Tensor | None = None) -> StepResult:
         """logits holds k rows per request (k = 1 + speculated tokens). Plain requests sample their one
         row; speculating ones verify all k rows (tandem/engine/spec_decode.py). The logits returned per
         request are the rows of the tokens it emits (for logprobs)."""
@@ -221,7 +241,7 @@ class ModelRunner:
                 masked, pending = plain_masks
                 structured.mask_rows(rows, pending.result(), pending.vocab_size, masked)  # rows: a copy
             if any(r.grammar is not None for r in reqs):
-                tokens = self._check_grammar(reqs, rows, masked, partial(self._sample_rows, rows, reqs))
+                tokens = self._check_grammar(reqs, rows, masked, partial(self._sample_rows, rows, reqs), premasked)
             else:
                 held = getattr(self.model, "fused_argmax", None)  # the argmax of the very logits, unprocessed
                 tokens = sampler.sample(rows, [r.params for r in reqs], [r.generator for r in reqs], self.generator,

@@ -7,13 +7,13 @@ A request asks for one of (vLLM's `structured_outputs` names; OpenAI's `response
     {"choice": ["a", "b", ...]}  {"grammar": "<Lark grammar>"}
 
 `Grammars` (one per engine: the tokenizer is built once) turns a spec into a checked llguidance
-grammar — once per distinct spec (an LRU cache), off the engine loop when asked (`compile_async`).
-JSON is compiled without free whitespace (only the separators), so a model cannot loop on spaces.
-`GrammarState` (one per request) follows the request's output tokens and gives the mask of tokens
-allowed next: for the one row a plain step samples, or for each row a speculative step verifies,
-under the grammar state the draft advances (an invalid draft token is masked out, so it is rejected).
-The state catches up on tokens it has not seen (a first token sampled on the prefill worker, tokens
-generated before a migration), so it needs no other hook.
+grammar (its text: tandem/engine/grammar_text.py) — once per distinct spec (an LRU cache), off the
+engine loop when asked (`compile_async`). JSON is compiled without free whitespace (only the
+separators), so a model cannot loop on spaces. `GrammarState` (one per request) follows the request's
+output tokens and gives the mask of tokens allowed next: for the one row a plain step samples, or for
+each row a speculative step verifies, under the grammar state the draft advances (an invalid draft
+token is masked out, so it is rejected). The state catches up on tokens it has not seen (a first
+token sampled on the prefill worker, tokens generated before a migration), so it needs no other hook.
 
 A thinking model's answer (`reasoning_block`, set by the router's reasoning parser): the grammar applies
 after the `<think>` block, as vLLM applies it after the reasoning ends — the block is free text up to the
@@ -22,6 +22,7 @@ first `</think>` (a special token or the text), then up to 3 whitespace characte
 
 from __future__ import annotations
 
+import ctypes
 import json
 import threading
 from collections import OrderedDict
@@ -33,6 +34,7 @@ import llguidance
 import torch
 
 from kernels import fused
+from tandem.engine.grammar_text import grammar_text, spec_key
 from tandem.sampling_params import STRUCTURED_KINDS as KINDS
 from tandem.sampling_params import check_structured as check_spec
 
@@ -44,53 +46,6 @@ INLINE_ROWS = 4  # up to this many constrained rows, masks are computed inline (
 # those threads beside them made the engine's run-queue wait look like a neighbour's, and ThreadBackoff
 # dropped it to one thread for >= 5 s after a structured batch of more than INLINE_ROWS rows — every
 # request, constrained or not, ~30% slower (55M model, batch 16: 1052 -> 706-725 tok/s unconstrained).
-_JSON_OPTIONS = {"whitespace_flexible": False}
-
-
-def spec_key(spec: dict[str, Any]) -> str:
-    return json.dumps({k: v for k, v in spec.items() if k in KINDS or k == "reasoning_block"}, sort_keys=True,
-                      separators=(",", ":"))
-
-
-def _grammar_text(spec: dict[str, Any], think_tags: dict[str, int]) -> str:
-    grammar = _kind_text(spec)
-    block = spec.get("reasoning_block")
-    return grammar if block is None else after_reasoning(grammar, block, think_tags)
-
-
-def after_reasoning(grammar: str, block: str, think_tags: dict[str, int]) -> str:
-    """`grammar` behind a `<think>` block that the output starts inside ("open") or may open first
-    ("optional"). llguidance takes a list of grammars, the first the start one, `@name` one nested in
-    another; the tags are matched as the special tokens they are where the tokenizer has them so
-    (`think_tags`: text -> id), else as text. The block's text is lazy: it ends at the first `</think>`."""
-    inner = json.loads(grammar)["grammars"] if grammar.lstrip().startswith("{") else [{"lark_grammar": grammar}]
-    answer = {**inner[0], "name": inner[0].get("name") or "answer"}
-    end, start = think_tags.get("</think>"), think_tags.get("<think>")
-    think = (f"think: THINK <[{end}]>\nTHINK: /(?s:.*)/" if end is not None  # text never spans a special token
-             else "think[lazy]: /(?s:.*)<\\/think>/")
-    opener = f"<[{start}]>" if start is not None else '"<think>"'
-    top = "think WS" if block == "open" else f"(WS {opener} think)? WS"
-    lark = f"start: {top} @{answer['name']}\n{think}\nWS: /[ \\t\\r\\n]{{0,3}}/\n"
-    return json.dumps({"grammars": [{"name": "reasoning", "lark_grammar": lark}, answer, *inner[1:]]})
-
-
-def _kind_text(spec: dict[str, Any]) -> str:
-    kind, value = next((k, v) for k, v in spec.items() if k in KINDS)
-    try:
-        if kind == "json":
-            return llguidance.LLMatcher.grammar_from_json_schema(value, defaults=_JSON_OPTIONS)
-        if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
-        if kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(value)
-        if kind == "choice":
-            return llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c) for c in value))
-        return llguidance.LLMatcher.grammar_from_lark(value)
-    except ValueError as exc:  # e.g. a schema that is not a JSON object
-        raise ValueError(f"structured_outputs.{kind}: {exc}") from None
-
-
 class Grammars:
     """Compiles and caches grammars for one tokenizer (vocabulary `vocab_size`, the model's rows)."""
 
@@ -116,7 +71,7 @@ class Grammars:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        grammar = _grammar_text(spec, self.think_tags)
+        grammar = grammar_text(spec, self.think_tags)
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
             kind = next(k for k in spec if k in KINDS)
@@ -222,6 +177,18 @@ class GrammarState:
         evicted its tables. (allowed_along's consumes are rolled back: they leave it as it was.)"""
         return self.stopped
 
+    def take(self, token: int) -> bool:
+        """Consume `token` now if the grammar allows it next (True; the engine's next sync then has nothing
+        to feed), else leave the state as it was (False). One llguidance call where checking a token, or
+        making the mask a greedy row's argmax is taken under, and then consuming it next step cost two:
+        inside a decode step each call pays for the cache misses of tables the weight streams evicted.
+        The engine appends `token` to the request's output (sync's bookkeeping assumes it)."""
+        if self.stopped or not 0 <= token < self.vocab_size or self.matcher.try_consume_tokens([token]) != 1:
+            return False
+        self.consumed += 1
+        self.stopped = self.matcher.is_stopped()
+        return True
+
     def allows(self, token: int) -> bool:
         """The grammar accepts `token` next (checked, not consumed): a few microseconds, against a
         whole mask's tens. A finished or failed grammar answers False (its mask decides)."""
@@ -273,6 +240,40 @@ def greedy_allowed(rows: torch.Tensor, picked: list[int], states: list[GrammarSt
     for i, state in enumerate(states):
         state.matcher.unsafe_compute_mask_ptr(address + i * nbytes, nbytes)
     return [max(t, 0) for t in fused.masked_argmax(rows, picked, words, grammars.vocab_size)]
+
+
+def argmax_masks(rows: list[tuple[GrammarState, int]], num_rows: int) -> tuple[Any, int, torch.Tensor]:
+    """Each grammar's mask, made now into the reused buffer (`words`, row i rows[i]'s), for a CPU step's C
+    call to take the argmax of the step's row rows[i][1] under rows[i][0]'s mask: (the table for
+    AttentionMetadata.argmax_masks, an address per row of the step, 0 for the rows without; words a mask;
+    words). Made before the forward: after it, with the interpreter's and llguidance's data evicted by the
+    weight streams, a mask cost ~15-20 us and the masked argmax's call from Python ~45 us more (shipped
+    model, batch 1); before it ~10 us."""
+    grammars = rows[0][0].grammars
+    words = grammars.mask_buffer(len(rows))
+    address, nbytes = words.data_ptr(), grammars.mask_words * 4
+    table = (ctypes.c_void_p * num_rows)()
+    for i, (state, row) in enumerate(rows):
+        state.matcher.unsafe_compute_mask_ptr(address + i * nbytes, nbytes)
+        table[row] = address + i * nbytes
+    return table, grammars.mask_words, words
+
+
+def greedy_tokens(rows: torch.Tensor, picked: list[int], states: list[GrammarState], argmax: list[int] | None,
+                  masks: torch.Tensor | None) -> list[int]:
+    """The masked argmax of each of the greedy rows `picked` of `rows` (a CPU engine's), each consumed by its
+    grammar now (not by the stop check's sync: the same llguidance call): the forward's own (`argmax`, one
+    per row of `rows`, taken under argmax_masks' masks), else one pass under `masks` (argmax_masks' words,
+    row i states[i]'s: the step did not take the forward's C call), else greedy_allowed's."""
+    if argmax is not None:
+        tokens = [argmax[i] for i in picked]
+    elif masks is not None:
+        tokens = [max(t, 0) for t in fused.masked_argmax(rows, picked, masks, states[0].vocab_size)]
+    else:
+        tokens = greedy_allowed(rows, picked, states)
+    for state, token in zip(states, tokens):
+        state.take(token)
+    return tokens
 
 
 class PendingMasks:

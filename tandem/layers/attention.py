@@ -11,7 +11,7 @@ position p sees keys in (p - window, p].
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -48,6 +48,9 @@ class AttentionMetadata:
     # (fused_model.run_model), which then sets hidden_stored.
     hidden_layers: int = 0
     hidden_stored: bool = False
+    # Structured outputs on a CPU: (a ctypes array of one address per row, 0 or the int32 bit mask the row's
+    # argmax is taken under; int32 words a mask) for a small decode step's C call (fused_model.run_model).
+    argmax_masks: tuple[Any, int] | None = None
 
     @property
     def num_decode_tokens(self) -> int:

@@ -33,7 +33,8 @@ def run_model(model, input_ids: torch.Tensor, positions: torch.Tensor, meta,
     torch ops, the lm_head's call, the checks and the greedy sampler's argmax ran with the interpreter's code and
     data evicted, ~20-150 us each (sessions 33-34). What the call needs from the model is kept (_body). Logits
     only where the lm_head's own call would take the same C kernel (its small-batch plan covers the rows):
-    bitwise what it returns; the argmax is kernels.fused.argmax_rows' of them. With meta.hidden_layers the call
+    bitwise what it returns; the argmax is kernels.fused.argmax_rows' of them (a row with a grammar's mask in
+    meta.argmax_masks: kernels.fused.masked_argmax's). With meta.hidden_layers the call
     also stores the output into those last cache layers (as hidden_cache.store_hidden) and sets meta.hidden_stored."""
     t, lib = input_ids.shape[0], native_cpu.library()
     if (not 0 < t <= fused_decode.MAX_ROWS or meta.num_decode_tokens != t or meta.layer_hook is not None
@@ -56,7 +57,8 @@ def run_model(model, input_ids: torch.Tensor, positions: torch.Tensor, meta,
         *body.args, None if logits is None else body.head, *body.buffers, input_ids.data_ptr(), positions.data_ptr(),
         t, slots.data_ptr(), tables.data_ptr(), tables.stride(0), tables.shape[1], lens.data_ptr(),
         meta.num_decode_seqs, meta.decode_query_len, out.data_ptr(), None if logits is None else logits.data_ptr(),
-        best, hidden_caches, meta.hidden_layers if hidden_caches else 0, torch.get_num_threads())
+        best, *(meta.argmax_masks or (None, 0)), hidden_caches, meta.hidden_layers if hidden_caches else 0,
+        torch.get_num_threads())
     if rc != 0:
         return None
     meta.hidden_stored = hidden_caches is not None
