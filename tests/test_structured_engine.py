@@ -151,8 +151,9 @@ def test_a_complete_grammar_ends_the_request_even_with_ignore_eos(ckpt, llm, spe
 def test_grammar_rows_and_free_rows_in_one_step_each_match_their_run_alone(llm):
     """On a CPU a small decode step takes every row's argmax in its C call, a grammar row's under the mask
     made for it before the forward (AttentionMetadata.argmax_masks: an address per row of the step, 0 for a
-    free row). Mixed in one batch, each request equals its run alone: a mask on the wrong row, or on a free
-    row, changes some output; the grammar rows' outputs are all their grammar accepts (24 tokens: a prefix)."""
+    free row), and the free rows take theirs too. Mixed in one batch, each request equals its run alone: a
+    mask on the wrong row, or on a free row, changes some output; the grammar rows' outputs are all their
+    grammar accepts (24 tokens: a prefix)."""
     prompts = [llm.engine.tokenizer.encode(t) for t in ("def parse(text):\n    return ", "import os\n", "x = ",
                                                         "class A:\n")]
     specs = [SPECS[0], None, SPECS[1], None]

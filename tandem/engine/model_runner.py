@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from kernels import get_ops
-from tandem.engine import hidden_cache, logits_processors, sampler, spec_decode, structured
+from tandem.engine import grammar_rows, hidden_cache, logits_processors, sampler, spec_decode, structured
 from tandem.engine.cuda_graphs import DecodeGraphs, graphs_for
 from tandem.engine.decode_group import MAX_DECODE_QUERY_LEN, decode_group
 from tandem.engine.interfaces.kv_quantizer import KVQuantizer, NoQuantizer
@@ -89,7 +89,7 @@ class ModelRunner:
                 k = 1 + len(s.spec_token_ids)
                 sample_rows.append((s, len(input_ids) - k, k))
         dev = self.device
-        plain_masks, argmax_masks = self._start_masks(sample_rows, len(input_ids))  # made before the model runs
+        plain_masks, argmax_masks = grammar_rows.start_masks(sample_rows, len(input_ids))  # before the model runs
         graphs, hidden = graphs_for(self, decode, prefill, decode_q), None
         if graphs is not None:
             hidden = graphs.run(input_ids, positions, slots, [held(s.request.block_ids) for s in decode],
@@ -123,7 +123,7 @@ class ModelRunner:
     def _finish(self, hidden: torch.Tensor, sample_rows: list, plain_masks: Any, kept: dict,
                 narrowed: bool = False, premasked: torch.Tensor | None = None) -> StepResult:
         """Logits of the rows that sample, and the sampled tokens (`narrowed`: hidden holds just those;
-        `premasked`: the masks of the greedy rows under a grammar, made by _start_masks for the forward's C argmax)."""
+        `premasked`: the masks of the greedy rows under a grammar, made by grammar_rows.start_masks)."""
         if not sample_rows:
             return StepResult({}, {}, kept)
         rows = [i for _, start, k in sample_rows for i in range(start, start + k)]
@@ -133,74 +133,6 @@ class ModelRunner:
         result = self._sample(sample_rows, logits, plain_masks, premasked)
         result.hidden = kept
         return result
-
-    @staticmethod
-    def _start_masks(sample_rows: list[tuple[ScheduledRequest, int, int]], num_rows: int) -> tuple[Any, Any]:
-        """Structured outputs: (a future of (rows among the plain ones, their allowed-token masks), for
-        the rows masked before sampling (top-k / top-p / min-p, or a model that keeps fighting its
-        grammar: GrammarState.masks_first), or None; the argmax masks, or None). The others are checked
-        after (`_check_grammar`). On a GPU llguidance computes them on its own threads, without the GIL,
-        while the forward pass runs; on a CPU, here and now (structured.py: the forward's threads hold every
-        core) — and a CPU's greedy rows get theirs here too, for the forward's C call to take each row's
-        argmax under (AttentionMetadata.argmax_masks: `num_rows` addresses)."""
-        first, greedy, states, i = [], [], [], 0  # i: the index among the plain rows (no draft tokens)
-        for s, row, _ in sample_rows:
-            if s.spec_token_ids:
-                continue
-            r, state = s.request, s.request.grammar
-            if state is not None:
-                state.sync(r.token_ids, r.num_prompt_tokens)
-                if state.masks_first(r.params):
-                    first.append(i)
-                    states.append(state)
-                elif r.params.greedy:  # on a CPU: its mask for the forward's C argmax (a GPU's: masks_first)
-                    greedy.append((state, row))
-            i += 1
-        argmax_masks = structured.argmax_masks(greedy, num_rows) if greedy else None
-        return (first, states[0].grammars.allowed_batch_async(states)) if first else None, argmax_masks
-
-    def _check_grammar(self, reqs: list[Any], rows: torch.Tensor, masked: list[int], sample: Any,
-                       premasked: torch.Tensor | None = None) -> list[int]:
-        """Tokens for the plain rows `rows` (one per request of `reqs`; the rows `masked` were masked
-        before sampling). A greedy row under a grammar takes its masked argmax (structured.greedy_tokens:
-        the forward's own where it had the masks, `premasked`, else one pass, no separate argmax); other
-        rows sample (`sample(row indices)`), and a temperature row under a grammar keeps its token if the
-        grammar allows it (consuming it). The rest are drawn again from their masked row. Exact: for
-        sampling, P(x) = p(x) + (1 - Z) p(x) / Z = p(x) / Z for an allowed x (Z = the allowed mass): the
-        masked, renormalised distribution. A model that mostly follows its grammar then costs a check per
-        sampled row instead of a mask."""
-        greedy, others, drawn = [], [], []  # drawn: sampled rows under a grammar, checked after
-        for i, r in enumerate(reqs):
-            if r.grammar is None or i in masked:
-                others.append(i)
-            elif r.params.greedy:
-                greedy.append(i)
-            else:
-                others.append(i)
-                drawn.append(i)
-        tokens: list[int] = [0] * len(reqs)
-        for i, token in zip(others, sample(others) if others else ()):
-            tokens[i] = token
-        if greedy:
-            held = getattr(self.model, "fused_argmax", None)  # the forward's own argmax of these very rows
-            argmax = held[1] if premasked is not None and held is not None and held[0] is rows else None
-            for i, token in zip(greedy, structured.greedy_tokens(rows, greedy, [reqs[i].grammar for i in greedy],
-                                                                 argmax, premasked)):
-                tokens[i] = token
-        refused = [i for i in drawn if not reqs[i].grammar.take(tokens[i])]
-        for i in drawn:
-            reqs[i].grammar.record(i in refused)
-        if not refused:
-            return tokens
-        states = [reqs[i].grammar for i in refused]
-        words = states[0].grammars.allowed_batch_async(states, inline=True).result()
-        masked_rows = rows[refused]  # a copy: `rows` may be the step's logits, kept raw for logprobs
-        structured.mask_rows(masked_rows, words, states[0].vocab_size)
-        again = sampler.sample(masked_rows, [reqs[i].params for i in refused],
-                               [reqs[i].generator for i in refused], self.generator)
-        for i, token in zip(refused, again):
-            tokens[i] = token
-        return tokens
 
     def _sample(self, sample_rows: list[tuple[ScheduledRequest, int, int]], logits: torch.Tensor,
                 plain_masks: Any = None, premasked: torch.Tensor | None = None) -> StepResult:
@@ -240,20 +172,26 @@ class ModelRunner:
             if plain_masks is not None:  # structured outputs: only what each grammar allows next
                 masked, pending = plain_masks
                 structured.mask_rows(rows, pending.result(), pending.vocab_size, masked)  # rows: a copy
+            held = getattr(self.model, "fused_argmax", None)  # the argmax of the very logits, unprocessed
+            argmax = held[1] if held is not None and held[0] is rows else None  # (a grammar row's: under its mask)
             if any(r.grammar is not None for r in reqs):
-                tokens = self._check_grammar(reqs, rows, masked, partial(self._sample_rows, rows, reqs), premasked)
+                tokens = grammar_rows.tokens(reqs, rows, masked, partial(self._sample_rows, rows, reqs, argmax),
+                                             self.generator, premasked, argmax)
             else:
-                held = getattr(self.model, "fused_argmax", None)  # the argmax of the very logits, unprocessed
                 tokens = sampler.sample(rows, [r.params for r in reqs], [r.generator for r in reqs], self.generator,
-                                        held[1] if held is not None and held[0] is rows else None)
+                                        argmax)
             sampled.update((r.request_id, [t]) for r, t in zip(reqs, tokens))
         return StepResult(sampled, per_req)
 
-    def _sample_rows(self, rows: torch.Tensor, reqs: list[Any], picked: list[int]) -> list[int]:
-        """sampler.sample over the rows `picked` of `rows` (one request each)."""
+    def _sample_rows(self, rows: torch.Tensor, reqs: list[Any], argmax: list[int] | None, picked: list[int]
+                     ) -> list[int]:
+        """sampler.sample over the rows `picked` of `rows` (one request each; `argmax`: each row's, taken by the
+        forward's C call, or None)."""
+        if argmax is not None and all(reqs[i].params.greedy for i in picked):  # no row to slice out
+            return [argmax[i] for i in picked]
         part = rows if len(picked) == rows.shape[0] else rows[picked]
         return sampler.sample(part, [reqs[i].params for i in picked], [reqs[i].generator for i in picked],
-                              self.generator)
+                              self.generator, None if argmax is None else [argmax[i] for i in picked])
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> list[float]:

@@ -22,7 +22,6 @@ first `</think>` (a special token or the text), then up to 3 whitespace characte
 
 from __future__ import annotations
 
-import ctypes
 import json
 import threading
 from collections import OrderedDict
@@ -223,7 +222,7 @@ class GrammarState:
 
 
 def checks_first(params: Any) -> bool:
-    """Sampled rows that can be drawn unmasked and checked afterwards (see ModelRunner._check_grammar):
+    """Sampled rows that can be drawn unmasked and checked afterwards (see grammar_rows.tokens):
     temperature alone. Top-k / top-p / min-p cut the distribution by its own mass, which a mask changes,
     so those rows are masked before sampling."""
     return params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0
@@ -240,40 +239,6 @@ def greedy_allowed(rows: torch.Tensor, picked: list[int], states: list[GrammarSt
     for i, state in enumerate(states):
         state.matcher.unsafe_compute_mask_ptr(address + i * nbytes, nbytes)
     return [max(t, 0) for t in fused.masked_argmax(rows, picked, words, grammars.vocab_size)]
-
-
-def argmax_masks(rows: list[tuple[GrammarState, int]], num_rows: int) -> tuple[Any, int, torch.Tensor]:
-    """Each grammar's mask, made now into the reused buffer (`words`, row i rows[i]'s), for a CPU step's C
-    call to take the argmax of the step's row rows[i][1] under rows[i][0]'s mask: (the table for
-    AttentionMetadata.argmax_masks, an address per row of the step, 0 for the rows without; words a mask;
-    words). Made before the forward: after it, with the interpreter's and llguidance's data evicted by the
-    weight streams, a mask cost ~15-20 us and the masked argmax's call from Python ~45 us more (shipped
-    model, batch 1); before it ~10 us."""
-    grammars = rows[0][0].grammars
-    words = grammars.mask_buffer(len(rows))
-    address, nbytes = words.data_ptr(), grammars.mask_words * 4
-    table = (ctypes.c_void_p * num_rows)()
-    for i, (state, row) in enumerate(rows):
-        state.matcher.unsafe_compute_mask_ptr(address + i * nbytes, nbytes)
-        table[row] = address + i * nbytes
-    return table, grammars.mask_words, words
-
-
-def greedy_tokens(rows: torch.Tensor, picked: list[int], states: list[GrammarState], argmax: list[int] | None,
-                  masks: torch.Tensor | None) -> list[int]:
-    """The masked argmax of each of the greedy rows `picked` of `rows` (a CPU engine's), each consumed by its
-    grammar now (not by the stop check's sync: the same llguidance call): the forward's own (`argmax`, one
-    per row of `rows`, taken under argmax_masks' masks), else one pass under `masks` (argmax_masks' words,
-    row i states[i]'s: the step did not take the forward's C call), else greedy_allowed's."""
-    if argmax is not None:
-        tokens = [argmax[i] for i in picked]
-    elif masks is not None:
-        tokens = [max(t, 0) for t in fused.masked_argmax(rows, picked, masks, states[0].vocab_size)]
-    else:
-        tokens = greedy_allowed(rows, picked, states)
-    for state, token in zip(states, tokens):
-        state.take(token)
-    return tokens
 
 
 class PendingMasks:
