@@ -164,7 +164,7 @@ void tandem_masked_argmax_f32(const float *x, int64_t row_stride, int64_t cols, 
 /* best[r] = row r's argmax as tandem_argmax_f32 gives it, or where row_masks[r] is not NULL, its masked argmax
  * under those n_words words as tandem_masked_argmax_f32 gives it (a mask allowing nothing: 0). A small decode
  * step's C call takes it while the logits are in cache; the masks were made before the forward
- * (tandem/engine/structured.py: after it, every llguidance and ctypes call ran with its data evicted). */
+ * (tandem/engine/grammar_rows.py: after it, every llguidance and ctypes call ran with its data evicted). */
 void tandem_argmax_masked_rows_f32(const float *x, int64_t rows, int64_t cols, const int32_t *const *row_masks,
                                    int64_t n_words, int64_t *best, int num_threads) {
     if (!row_masks) {
