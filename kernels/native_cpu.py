@@ -96,6 +96,7 @@ def library() -> ctypes.CDLL | None:
             ("tandem_store_kv_f32", i32, [ptr, i64, ptr, i64, ptr, i64, i32, ptr, i64, i64]),
             ("tandem_apply_bitmask_f32", None, [ptr, i64, i64, i64, ptr, i64, i64, ptr]),
             ("tandem_masked_argmax_f32", None, [ptr, i64, i64, ptr, i64, ptr, i64, i64, ptr]),
+            ("tandem_argmax_masked_rows_f32", None, [ptr, i64, i64, ptr, i64, ptr, i32]),
             ("tandem_penalize_f32", i32, [ptr, i64, i64, i64] + [ptr] * 9),
             ("tandem_copy_stream", None, [ptr, ptr, i64]),
             ("tandem_linear_bf16w_f32", i32, [ptr] * 4 + [i64] * 3 + [i32]),
