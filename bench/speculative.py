@@ -200,6 +200,10 @@ def main() -> None:
             rate = f"{stats['acceptance_rate']:.1%}" if stats else "-"
             print(f"{b:>5} {name:>12} {tok_s(name):>13.1f} {tok_s(name) / tok_s('none'):>7.2f}x {paired:>6.2f}x "
                   f"{acc:>11} {rate:>12}")
+            graphs = getattr(getattr(engines[name].speculator, "runner", None), "graphs", None)  # a GPU's EAGLE
+            if graphs is not None:
+                print(f"{'':>18} draft graphs: {graphs.replays} proposals drafted, {len(graphs.chains)} captured"
+                      f"{', a capture FAILED (Python passes)' if graphs.failed else ''}")
 
     # The draft and the head as predictors of the target: greedy, K = 4, plain held-out text (no repetition),
     # one prompt at a time (batched, a CPU engine lowers K where the rows would leave its one-call step).

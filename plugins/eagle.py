@@ -37,11 +37,11 @@ import torch
 from kernels import get_ops
 from plugins.draft_model import own_cache, padded, paged_metadata, sample_drafts
 from plugins.eagle_fused import FusedDrafter
+from plugins.eagle_graphs import DraftGraphs
 from tandem.engine.model_runner import MAX_DECODE_QUERY_LEN
 from tandem.engine.request import Request
-from tandem.layers.linear import Linear
 from tandem.models.config import ModelConfig
-from tandem.models.eagle import load_head
+from tandem.models.eagle import load_head, rows_of
 
 if TYPE_CHECKING:
     from tandem.engine.model_runner import ModelRunner
@@ -52,13 +52,6 @@ MAX_HELD_STATES = 4096
 # Head positions one step runs for requests catching up beside others (module doc): 2-3 ms a step on the shipped
 # model here, about one EAGLE decode step (a whole 900-token prompt at once: ~24 ms; in shares of 64: ~40 ms in all).
 CATCH_UP_TOKENS = 64
-
-
-def rows_of(lm_head: Linear, ids: torch.Tensor) -> Linear:
-    """A Linear over lm_head's output rows `ids` only (the same values: the same C plan applies)."""
-    sub = Linear(lm_head.in_features, len(ids), bias=False, device=lm_head.weight.device, dtype=lm_head.weight.dtype)
-    sub.weight = torch.nn.Parameter(lm_head.weight.detach()[ids.to(lm_head.weight.device)].clone(), requires_grad=False)
-    return sub
 
 
 @dataclass(slots=True)
@@ -103,9 +96,15 @@ class EagleRunner:
             self.column_of = [-1] * self.vocab_size
             for column, token in enumerate(self.draft_ids.tolist()):
                 self.column_of[token] = column
-        self.fused: FusedDrafter | None = FusedDrafter(
-            self.head, self.embed, self.lm_head, self.vocab_size if self.draft_ids is None else len(self.draft_ids),
-            self.kv_caches, block_size, self.draft_ids)
+        width = self.vocab_size if self.draft_ids is None else len(self.draft_ids)
+        self.fused: FusedDrafter | None = FusedDrafter(self.head, self.embed, self.lm_head, width, self.kv_caches,
+                                                       block_size, self.draft_ids)
+        # A GPU's greedy passes: one CUDA graph a proposal (plugins/eagle_graphs.py); the CPU's: the C loop above.
+        self.graphs: DraftGraphs | None = DraftGraphs(
+            self.head, self.embed, self.lm_head, self.draft_ids, width, self.ops, self.kv_caches, block_size,
+            -(-(max_model_len + k) // block_size), device) if device.type == "cuda" else None
+        if self.graphs is not None:
+            self.graphs.capture_all(k, max_seqs)
 
     def release(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -181,7 +180,7 @@ class EagleRunner:
         feed, pads = padded(feed)
         decode = pads is not None
         passes = max(k for _, k in batch)
-        # Greedy requests drafting alike: every pass in C where it applies (plugins/eagle_fused.py).
+        # Greedy requests drafting alike: every pass in C (plugins/eagle_fused.py) or a CUDA graph (eagle_graphs.py).
         fused = self.fused is not None and all(r.params.greedy and k == passes for r, k in batch)
         if fused and decode and self._fused_passes(batch, feed, tokens, passes, pads):
             passes = 0
@@ -213,7 +212,8 @@ class EagleRunner:
     def _fused_passes(self, batch: list[tuple[Request, int]], feed: list, tokens: dict[str, list[int]],
                       steps: int, pads: list[int] | None = None) -> bool:
         """Run `steps` greedy passes from feed (as _forward takes it, equal lengths, `pads` rows of padding
-        in front) in one C call and append their drafts; False (nothing appended) where it does not apply."""
+        in front) in one C call (a GPU: one CUDA graph) and append their drafts; False (nothing appended) where
+        it does not apply."""
         assert self.fused is not None
         penalties = None
         if any(r.params.repetition_penalty != 1.0 for r, _ in batch):  # drafts follow the penalized argmax
@@ -223,10 +223,12 @@ class EagleRunner:
             penalties = ([r.params.repetition_penalty for r, _ in batch],
                          torch.frombuffer(marks, dtype=torch.uint8).view(len(batch), -1))
         states = feed[0][2].contiguous() if len(feed) == 1 else torch.cat([f for _, _, f, _ in feed])
-        drafted = self.fused.draft([t for _, toks, _, _ in feed for t in toks], states,
-                                   [start for _, _, _, start in feed],
-                                   [self.seqs[r.request_id].block_ids for r, _ in batch], steps, penalties,
-                                   pads if pads and any(pads) else None)
+        args = ([t for _, toks, _, _ in feed for t in toks], states, [start for _, _, _, start in feed],
+                [self.seqs[r.request_id].block_ids for r, _ in batch], steps)
+        if self.graphs is not None:  # with penalties or padding: the Python passes
+            drafted = None if penalties is not None or (pads and any(pads)) else self.graphs.draft(*args)
+        else:
+            drafted = self.fused.draft(*args, penalties, pads if pads and any(pads) else None)
         for (r, _), more in zip(batch, drafted or ()):
             tokens[r.request_id].extend(more)
         return drafted is not None

@@ -119,3 +119,10 @@ def load_head(path: str, target: ModelConfig, dtype: torch.dtype, device: torch.
     # them into the fp32 parameters the module was built with, and a bf16 target would meet an fp32 fc).
     head.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in weights.items()}, assign=True)
     return head.to(device).eval()
+
+
+def rows_of(lm_head: Linear, ids: torch.Tensor) -> Linear:
+    """A Linear over lm_head's output rows `ids` only (the same values: the same C plan applies)."""
+    sub = Linear(lm_head.in_features, len(ids), bias=False, device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+    sub.weight = torch.nn.Parameter(lm_head.weight.detach()[ids.to(lm_head.weight.device)].clone(), requires_grad=False)
+    return sub

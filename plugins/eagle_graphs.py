@@ -1,0 +1,172 @@
+"""EAGLE's greedy draft passes on a GPU as one CUDA graph (the GPU's counterpart of plugins/eagle_fused.py).
+
+On a GPU each of a proposal's k head passes ran eagerly from Python: some 35 kernel launches and a host read
+of its argmax each (an H200, shipped model, k = 4: EAGLE at 0.45x of plain decoding while accepting 3.3 tokens
+a step; docs/PERFORMANCE.md "Session 42 (GPU)"). For greedy requests nothing between the passes needs the
+host: pass j feeds pass j-1's argmax (mapped from the draft vocabulary to target ids) with its output state at
+the next position, whose cache slot the graph reads off the request's head block table. So the whole chain —
+the first pass over Q rows a request, then k-1 passes of one row, each through the lm_head and an argmax — is
+captured once per (padded batch size, Q, k) and replayed: the host copies the inputs into static buffers
+(three copies from pinned memory) and reads the k drafts back once. Padding requests write no K/V (slot -1) and
+attend block 0, as tandem/engine/cuda_graphs.py's do. `capture=False` runs the same buffers eagerly: the CPU
+tests check the chain's drafts and head K/V against the Python passes that way. A capture the driver refuses
+turns the graphs off with a warning; the Python passes then run, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from tandem.engine.cuda_graphs import SIZES
+from tandem.engine.decode_group import MAX_DECODE_QUERY_LEN
+from tandem.layers.attention import AttentionMetadata
+
+log = structlog.get_logger(__name__)
+MAX_SIZE = 16  # padded batch sizes up to this: speculation runs at small batch (spec_max_batch)
+
+
+@dataclass
+class _Chain:
+    graph: torch.cuda.CUDAGraph | None  # None: run eagerly (capture=False)
+    drafts: torch.Tensor | None  # the graph's output, [size, k] target ids
+
+
+class DraftGraphs:
+    def __init__(self, head, embed: torch.nn.Embedding, lm_head, draft_ids: torch.Tensor | None, width: int, ops,
+                 kv_caches: list[torch.Tensor], block_size: int, max_blocks: int, device: torch.device,
+                 capture: bool = True) -> None:
+        """head: the EAGLE head (tandem.models.eagle.EagleHead); lm_head: its logits over `width` columns, whose
+        target ids are draft_ids (None: the columns are target ids); kv_caches: the head's paged caches."""
+        self.head, self.embed, self.lm_head, self.ops, self.kv_caches = head, embed, lm_head, ops, kv_caches
+        self.draft_ids = None if draft_ids is None else draft_ids.to(device=device, dtype=torch.long)
+        self.width, self.block_size, self.capture = width, block_size, capture
+        rows = MAX_SIZE * MAX_DECODE_QUERY_LEN
+        self.rows, self.pinned = rows, device.type == "cuda"
+        self._ids_pos_slots = torch.zeros(3 * rows, dtype=torch.long, device=device)  # one copy in a call
+        self.ids, self.positions, self.slots = self._ids_pos_slots.view(3, rows).unbind()
+        self.states = torch.zeros(rows, embed.weight.shape[1], dtype=embed.weight.dtype, device=device)
+        self.tables = torch.zeros(MAX_SIZE, max_blocks, dtype=torch.int32, device=device)
+        self._lens_real = torch.ones(2 * MAX_SIZE, dtype=torch.int32, device=device)  # one copy in a call
+        self.lens, self.real = self._lens_real.view(2, MAX_SIZE).unbind()  # real: 0 for a padding request
+        self.chains: dict[tuple[int, int, int], _Chain] = {}
+        self.pool = None
+        self.replays = 0  # proposals drafted by a chain (tests read it)
+        self.failed = False  # a capture failed: the Python passes run
+
+    def capture_all(self, steps: int, batch: int) -> int:
+        """Capture at start the chains proposals of `steps` drafts take — first passes of 1 to steps + 1 rows, up
+        to `batch` requests — so that no request waits for a capture (tandem/engine/warm_up.py's rule for the
+        target's graphs; captured at first use, the bench's timed decoding had paid for 6). How many there are."""
+        largest = next((s for s in SIZES if s >= batch), MAX_SIZE)
+        with torch.inference_mode():
+            for size in (s for s in SIZES if s <= min(largest, MAX_SIZE)):
+                for q in range(1, steps + 2):
+                    if not self.failed and (size, q, steps) not in self.chains:
+                        self._capture(size, q, steps)
+        log.info("EAGLE draft graphs captured", chains=len(self.chains), failed=self.failed)
+        return len(self.chains)
+
+    def draft(self, tokens: list[int], states: torch.Tensor, start_pos: list[int], tables: list[list[int]],
+              steps: int) -> list[list[int]] | None:
+        """`steps` greedy drafts for each of B requests, as FusedDrafter.draft takes them (a first pass of Q =
+        len(tokens) // B rows each, row q of request b feeding tokens[b * Q + q] with states[b * Q + q] at
+        position start_pos[b] + q); None where no chain applies (the caller runs the Python passes)."""
+        b, q = len(start_pos), len(tokens) // len(start_pos)
+        size = next((s for s in SIZES if s >= b), MAX_SIZE + 1)
+        if (self.failed or size > MAX_SIZE or not 0 < q <= MAX_DECODE_QUERY_LEN or len(tokens) != b * q
+                or steps < 1 or states.shape != (b * q, self.states.shape[1]) or states.dtype != self.states.dtype
+                or max(map(len, tables)) > self.tables.shape[1]):
+            return None
+        self._copy_in(tokens, states, start_pos, tables, size, q)
+        chain = self.chains.get((size, q, steps)) or self._capture(size, q, steps)
+        if chain is None:
+            return None
+        self.replays += 1
+        if chain.graph is None:
+            drafts = self._chain(size, q, steps)
+        else:
+            chain.graph.replay()
+            drafts = chain.drafts
+        return drafts[:b].tolist()
+
+    def _copy_in(self, tokens: list[int], states: torch.Tensor, start_pos: list[int], tables: list[list[int]],
+                 size: int, q: int) -> None:
+        b, bs, pad = len(start_pos), self.block_size, (size - len(start_pos)) * q
+        positions = [p for start in start_pos for p in range(start, start + q)]
+        slots = [t[p // bs] * bs + p % bs for t, start in zip(tables, start_pos) for p in range(start, start + q)]
+        gap = [0] * (self.rows - b * q - pad)
+        flat = (tokens + [0] * pad + gap + positions + list(range(q)) * (size - b) + gap
+                + slots + [-1] * (pad + len(gap)))
+        self._ids_pos_slots.copy_(torch.tensor(flat, pin_memory=self.pinned), non_blocking=True)
+        lens = [start + q for start in start_pos] + [q] * (MAX_SIZE - b)
+        real = [1] * b + [0] * (MAX_SIZE - b)
+        self._lens_real.copy_(torch.tensor(lens + real, dtype=torch.int32, pin_memory=self.pinned), non_blocking=True)
+        self.states[:b * q].copy_(states, non_blocking=True)
+        width = max(map(len, tables))
+        self.tables[:b, :width].copy_(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                                   pin_memory=self.pinned), non_blocking=True)
+        self.tables[b:size] = 0
+        self.tables[:size, width:] = 0
+
+    def _meta(self, slots: torch.Tensor, size: int, q: int, lens: torch.Tensor) -> AttentionMetadata:
+        return AttentionMetadata(
+            ops=self.ops, kv_caches=self.kv_caches, kv_scales=None, slot_mapping=slots, num_decode_seqs=size,
+            decode_query_len=q, decode_block_tables=self.tables[:size], decode_seq_lens=lens,
+            prefill_block_tables=None, prefill_query_start_loc=None, prefill_seq_lens=None)
+
+    def _argmax(self, state: torch.Tensor) -> torch.Tensor:
+        best = self.lm_head(state)[:, :self.width].argmax(-1)  # the first maximum, as fused.argmax_rows
+        return best if self.draft_ids is None else self.draft_ids[best]
+
+    def _chain(self, size: int, q: int, steps: int) -> torch.Tensor:
+        """The passes, from the static buffers only (what a graph captures): drafts [size, steps]."""
+        n, bs = size * q, self.block_size
+        state = self.head(self.embed(self.ids[:n]), self.states[:n], self.positions[:n],
+                          self._meta(self.slots[:n], size, q, self.lens[:size]))
+        state = state.view(size, q, -1)[:, -1]  # each request's last row: a predicted next target state
+        position = self.positions[:n].view(size, q)[:, -1]
+        drafts = [self._argmax(state)]
+        for _ in range(1, steps):
+            position = position + 1
+            block = self.tables[:size].gather(1, (position // bs).unsqueeze(1)).squeeze(1).long()
+            slots = torch.where(self.real[:size].bool(), block * bs + position % bs, -1)
+            state = self.head(self.embed(drafts[-1]), state, position,
+                              self._meta(slots, size, 1, (position + 1).to(torch.int32)))
+            drafts.append(self._argmax(state))
+        return torch.stack(drafts, 1)
+
+    def _capture(self, size: int, q: int, steps: int) -> _Chain | None:
+        """Capture with harmless inputs (no K/V written; every request attends Q tokens of block 0), then put
+        back the call's own, already copied in. None (and `failed`) if the capture fails."""
+        if not self.capture:
+            self.chains[(size, q, steps)] = _Chain(None, None)
+            return self.chains[(size, q, steps)]
+        saved = [t.clone() for t in (self._ids_pos_slots, self._lens_real, self.tables)]
+        self.slots.fill_(-1)
+        self.lens.fill_(q)
+        self.real.zero_()
+        self.tables.zero_()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # Triton compiles and cuBLAS warms up outside the capture
+                for _ in range(2):
+                    self._chain(size, q, steps)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                drafts = self._chain(size, q, steps)
+            self.pool = graph.pool()
+            self.chains[(size, q, steps)] = _Chain(graph, drafts)
+        except RuntimeError as exc:
+            self.failed = True
+            log.warning("EAGLE draft graph capture failed: drafts run eagerly", batch=size, query_len=q,
+                        steps=steps, error=str(exc)[:300])
+            return None
+        finally:
+            for buf, value in zip((self._ids_pos_slots, self._lens_real, self.tables), saved):
+                buf.copy_(value)
+        return self.chains[(size, q, steps)]

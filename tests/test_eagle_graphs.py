@@ -1,0 +1,149 @@
+"""EAGLE's greedy draft chain for a GPU (plugins/eagle_graphs.py), run eagerly over its static buffers on the CPU
+(`capture=False`: what a CUDA graph would capture, without the capture) against the Python passes it replaces:
+the same drafts at every step, the same head-cache K/V, the same output; padding requests (a batch of 3 runs
+as 4) that write nothing and change no draft; and the calls it leaves to the Python passes."""
+
+import pytest
+import torch
+from test_speculative import repeating_prompts
+from tiny_models import heldout_code, make_checkpoint, make_eagle_head
+
+from plugins.eagle_graphs import DraftGraphs
+from tandem import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow  # real models: deselected by -m 'not slow'
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """The same ops as the Python passes: fp32 rounding at most (a GPU's bf16: torch's default tolerance)."""
+    torch.testing.assert_close(a, b, **(dict(rtol=1e-5, atol=1e-6) if a.dtype == torch.float32 else {}))
+
+
+def chain_for(runner) -> DraftGraphs:
+    width = runner.vocab_size if runner.draft_ids is None else len(runner.draft_ids)
+    return DraftGraphs(runner.head, runner.embed, runner.lm_head, runner.draft_ids, width, runner.ops,
+                       runner.kv_caches, runner.block_size, runner.kv_caches[0].shape[0], runner.device,
+                       capture=runner.device.type == "cuda")  # on a GPU the same checks of the captured graphs
+
+
+def run(llm: LLM, prompts: list[list[int]], chain: bool, max_tokens: int, batch: int) -> tuple:
+    """(outputs, every proposal in order, the head's K/V of every position up to the last draft after each
+    proposal), drafting through the chain (`chain`) or the Python passes (neither uses the CPU's C loop)."""
+    runner = llm.engine.speculator.runner
+    fused, graphs = runner.fused, runner.graphs
+    runner.fused, runner.graphs = (fused, chain_for(runner)) if chain else (None, None)
+    proposals, kv = [], []
+    propose = runner.propose
+
+    def spy_propose(requests, ks):
+        tokens, probs = propose(requests, ks)
+        order = sorted(tokens, key=lambda rid: int(rid.rsplit("-", 1)[1]))  # submission order
+        proposals.append([tokens[rid] for rid in order])
+        by_id, bs = {r.request_id: r for r in requests}, runner.block_size
+        for rid in order:  # in position order: block ids differ between runs
+            n, bt = by_id[rid].num_tokens + len(tokens[rid]) - 2, runner.seqs[rid].block_ids
+            kv.append([torch.stack([c[bt[p // bs], :, p % bs] for p in range(n)]) for c in runner.kv_caches])
+        return tokens, probs
+
+    runner.propose = spy_propose
+    try:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outs = []
+        for first in range(0, len(prompts), batch):
+            outs += [o.token_ids for o in llm.generate(prompts[first:first + batch], params)]
+        replays = runner.graphs.replays if chain else 0
+    finally:
+        del runner.propose
+        runner.fused, runner.graphs = fused, graphs
+    return outs, proposals, kv, replays
+
+
+def check_same(llm: LLM, prompts: list[list[int]], max_tokens: int, batch: int) -> int:
+    run(llm, prompts, False, max_tokens, batch)  # both runs below then hit the prefix cache alike
+    outs, proposals, caches, replays = run(llm, prompts, True, max_tokens, batch)
+    ref_outs, ref_proposals, ref_caches, _ = run(llm, prompts, False, max_tokens, batch)
+    assert outs == ref_outs and proposals == ref_proposals
+    assert len(caches) == len(ref_caches)
+    for step, ref in zip(caches, ref_caches):  # drafted positions' K/V included
+        for a, b in zip(step, ref):
+            close(a, b)
+    return replays
+
+
+@pytest.fixture(scope="module")
+def shipped_llm():
+    llm = LLM(spec_max_batch=8, speculator="eagle", max_model_len=512)
+    return llm, [llm.engine.tokenize(s) for s in heldout_code()]
+
+
+def test_batch_one_chain_drafts_as_the_python_passes(shipped_llm):
+    llm, prompts = shipped_llm
+    replays = check_same(llm, prompts, 40, batch=1)
+    assert replays >= 4 * 40 // 5  # nearly every proposal went through the chain
+
+
+def test_equal_batch_and_ragged_batch(shipped_llm):
+    """Two requests drafting alike run as one chain of size 2; three as size 4 (one padding request). Unequal
+    catch-ups need padding rows, which the chain leaves to the Python passes: the same drafts either way."""
+    llm, prompts = shipped_llm
+    assert check_same(llm, prompts, 24, batch=2) > 0
+    assert check_same(llm, prompts, 24, batch=3) > 0
+
+
+def test_random_head_without_draft_vocabulary(tmp_path):
+    path = make_checkpoint(str(tmp_path / "llama"), "llama")
+    head = make_eagle_head(str(tmp_path / "head"), path)
+    llm = LLM(path, num_kv_blocks=128, max_model_len=256, spec_max_batch=8, speculator="eagle", draft_model=head,
+              num_speculative_tokens=3)
+    assert llm.engine.speculator.runner.draft_ids is None
+    assert check_same(llm, repeating_prompts(seed=5), 24, batch=1) > 0
+
+
+def test_padding_requests_write_nothing_and_change_no_draft(shipped_llm):
+    """Three requests (a chain of size 4: one padding request) draft what each drafts alone, and the head cache
+    changes only at the positions the three own: the padding request's rows write no K/V (slot -1)."""
+    llm, _ = shipped_llm
+    runner = llm.engine.speculator.runner
+    chain, caches = chain_for(runner), runner.kv_caches
+    hidden = runner.head.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(6, hidden, generator=g).to(runner.device, chain.states.dtype)
+    tokens, starts, tables = [5, 6, 70, 71, 300, 301], [0, 3, 7], [[1], [2], [3]]
+    before = [c.clone() for c in caches]
+    alone = [chain.draft(tokens[2 * i:2 * i + 2], states[2 * i:2 * i + 2], [starts[i]], [tables[i]], 4)[0]
+             for i in range(3)]
+    single = [c.clone() for c in caches]
+    for c, b in zip(caches, before):
+        c.copy_(b)
+    assert chain.draft(tokens, states, starts, tables, 4) == alone
+    for c, s, b in zip(caches, single, before):
+        close(c, s)
+        changed = (c != b).flatten(1).any(1).nonzero().flatten().tolist()
+        assert changed == [1, 2, 3]  # the requests' blocks; block 0 (the padding's) untouched
+        for blk, start in zip((1, 2, 3), starts):  # positions start .. start + 2 + 3 written, no other
+            rows = (c[blk] != b[blk]).flatten(2).any(-1).any(0).nonzero().flatten().tolist()
+            assert rows == list(range(start, start + 5))
+
+
+def test_what_the_chain_leaves_to_the_python_passes(shipped_llm):
+    llm, _ = shipped_llm
+    runner = llm.engine.speculator.runner
+    chain = chain_for(runner)
+    hidden = runner.head.config.hidden_size
+    states = torch.randn(2, hidden).to(runner.device, chain.states.dtype)
+    assert chain.draft([5, 6], states, [0], [[0]], 3) is not None
+    assert chain.draft([5, 6], states.double(), [0], [[0]], 3) is None  # another dtype than the buffers'
+    assert chain.draft([5, 6], states[:1], [0], [[0]], 3) is None  # a state per row
+    assert chain.draft([5, 6], states, [0], [[0] * (chain.tables.shape[1] + 1)], 3) is None  # a table too wide
+    many = 17
+    assert chain.draft([5] * many, torch.randn(many, hidden).to(states), list(range(many)), [[0]] * many, 2) is None
+
+
+def test_chains_captured_at_start_cover_every_first_pass_length(shipped_llm):
+    """At start a GPU's runner captures the chain of every first-pass length (1 to k + 1 rows: the drafts a
+    request accepted, plus one) at every padded size up to spec_max_batch, so no proposal waits for a capture."""
+    llm, _ = shipped_llm
+    chain = chain_for(llm.engine.speculator.runner)
+    assert chain.capture_all(4, 1) == 5 and set(chain.chains) == {(1, q, 4) for q in range(1, 6)}
+    assert chain.capture_all(4, 3) == 15 and {size for size, _, _ in chain.chains} == {1, 2, 4}
+    assert chain.capture_all(2, 8) == 15 + 4 * 3
