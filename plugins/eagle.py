@@ -102,7 +102,7 @@ class EagleRunner:
         # A GPU's greedy passes: one CUDA graph a proposal (plugins/eagle_graphs.py); the CPU's: the C loop above.
         self.graphs: DraftGraphs | None = DraftGraphs(
             self.head, self.embed, self.lm_head, self.draft_ids, width, self.ops, self.kv_caches, block_size,
-            -(-(max_model_len + k) // block_size), device) if device.type == "cuda" else None
+            -(-(max_model_len + k) // block_size), device) if target.use_graphs else None  # not --enforce-eager
         if self.graphs is not None:
             self.graphs.capture_all(k, max_seqs)
 
@@ -217,6 +217,8 @@ class EagleRunner:
         assert self.fused is not None
         penalties = None
         if any(r.params.repetition_penalty != 1.0 for r, _ in batch):  # drafts follow the penalized argmax
+            if self.graphs is not None:  # a GPU's chain has no penalties: the Python passes
+                return False
             none = bytes(self.fused.vocab_size)
             marks = bytearray().join(self._seen_marks(r, tokens[r.request_id]) if r.params.repetition_penalty != 1.0
                                      else none for r, _ in batch)  # writable: the C loop marks its drafts
@@ -225,10 +227,8 @@ class EagleRunner:
         states = feed[0][2].contiguous() if len(feed) == 1 else torch.cat([f for _, _, f, _ in feed])
         args = ([t for _, toks, _, _ in feed for t in toks], states, [start for _, _, _, start in feed],
                 [self.seqs[r.request_id].block_ids for r, _ in batch], steps)
-        if self.graphs is not None:  # with penalties or padding: the Python passes
-            drafted = None if penalties is not None or (pads and any(pads)) else self.graphs.draft(*args)
-        else:
-            drafted = self.fused.draft(*args, penalties, pads if pads and any(pads) else None)
+        pads, graphs = pads if pads and any(pads) else None, self.graphs
+        drafted = graphs.draft(*args, pads) if graphs is not None else self.fused.draft(*args, penalties, pads)
         for (r, _), more in zip(batch, drafted or ()):
             tokens[r.request_id].extend(more)
         return drafted is not None

@@ -6,15 +6,17 @@ a step; docs/PERFORMANCE.md "Session 42 (GPU)"). For greedy requests nothing bet
 host: pass j feeds pass j-1's argmax (mapped from the draft vocabulary to target ids) with its output state at
 the next position, whose cache slot the graph reads off the request's head block table. So the whole chain —
 the first pass over Q rows a request, then k-1 passes of one row, each through the lm_head and an argmax — is
-captured once per (padded batch size, Q, k) and replayed: the host copies the inputs into static buffers
-(three copies from pinned memory) and reads the k drafts back once. Padding requests write no K/V (slot -1) and
-attend block 0, as tandem/engine/cuda_graphs.py's do. `capture=False` runs the same buffers eagerly: the CPU
-tests check the chain's drafts and head K/V against the Python passes that way. A capture the driver refuses
-turns the graphs off with a warning; the Python passes then run, as before.
+captured at start once per (padded batch size, Q, k) and replayed: the host copies the inputs into static
+buffers (three copies from pinned memory) and reads the k drafts back once. Padding requests write no K/V (slot
+-1) and attend block 0, as tandem/engine/cuda_graphs.py's do; a ragged batch's padding rows (plugins/draft_model.
+padded) are slots -1 too. `capture=False` runs the same buffers eagerly: the CPU tests check the chain's drafts
+and head K/V against the Python passes that way. A capture the driver refuses turns the graphs off with a
+warning; the Python passes then run, as before, as they do for sampled requests and repetition penalties.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import structlog
@@ -56,31 +58,36 @@ class DraftGraphs:
         self.replays = 0  # proposals drafted by a chain (tests read it)
         self.failed = False  # a capture failed: the Python passes run
 
-    def capture_all(self, steps: int, batch: int) -> int:
-        """Capture at start the chains proposals of `steps` drafts take — first passes of 1 to steps + 1 rows, up
-        to `batch` requests — so that no request waits for a capture (tandem/engine/warm_up.py's rule for the
-        target's graphs; captured at first use, the bench's timed decoding had paid for 6). How many there are."""
-        largest = next((s for s in SIZES if s >= batch), MAX_SIZE)
+    def capture_all(self, k: int, batch: int) -> int:
+        """Capture at start every chain a proposal of up to k drafts takes — 1 to k drafts (fewer near a request's
+        max_tokens), first passes of 1 to k + 1 rows, up to `batch` requests — so that no proposal waits for a
+        capture (tandem/engine/warm_up.py's rule for the target's graphs; captured at first use, the bench's timed
+        decoding had paid for 6). How many there are."""
+        start, largest = time.perf_counter(), next((s for s in SIZES if s >= batch), MAX_SIZE)
         with torch.inference_mode():
             for size in (s for s in SIZES if s <= min(largest, MAX_SIZE)):
-                for q in range(1, steps + 2):
-                    if not self.failed and (size, q, steps) not in self.chains:
-                        self._capture(size, q, steps)
-        log.info("EAGLE draft graphs captured", chains=len(self.chains), failed=self.failed)
+                for steps in range(1, k + 1):
+                    for q in range(1, k + 2):
+                        if not self.failed and (size, q, steps) not in self.chains:
+                            self._capture(size, q, steps)
+        log.info("EAGLE draft graphs captured", chains=len(self.chains), failed=self.failed,
+                 seconds=round(time.perf_counter() - start, 3))
         return len(self.chains)
 
     def draft(self, tokens: list[int], states: torch.Tensor, start_pos: list[int], tables: list[list[int]],
-              steps: int) -> list[list[int]] | None:
+              steps: int, pads: list[int] | None = None) -> list[list[int]] | None:
         """`steps` greedy drafts for each of B requests, as FusedDrafter.draft takes them (a first pass of Q =
         len(tokens) // B rows each, row q of request b feeding tokens[b * Q + q] with states[b * Q + q] at
-        position start_pos[b] + q); None where no chain applies (the caller runs the Python passes)."""
+        position start_pos[b] + q, its first pads[b] rows padding: attended, not written); None where no chain
+        applies (the caller runs the Python passes)."""
         b, q = len(start_pos), len(tokens) // len(start_pos)
-        size = next((s for s in SIZES if s >= b), MAX_SIZE + 1)
+        size, bs = next((s for s in SIZES if s >= b), MAX_SIZE + 1), self.block_size
         if (self.failed or size > MAX_SIZE or not 0 < q <= MAX_DECODE_QUERY_LEN or len(tokens) != b * q
                 or steps < 1 or states.shape != (b * q, self.states.shape[1]) or states.dtype != self.states.dtype
-                or max(map(len, tables)) > self.tables.shape[1]):
-            return None
-        self._copy_in(tokens, states, start_pos, tables, size, q)
+                or max(map(len, tables)) > self.tables.shape[1]
+                or any(len(t) * bs < start + q + steps - 1 for t, start in zip(tables, start_pos))):
+            return None  # (the last pass writes position start + q + steps - 2: its block must be the request's)
+        self._copy_in(tokens, states, start_pos, tables, size, q, pads or [0] * b)
         chain = self.chains.get((size, q, steps)) or self._capture(size, q, steps)
         if chain is None:
             return None
@@ -93,10 +100,11 @@ class DraftGraphs:
         return drafts[:b].tolist()
 
     def _copy_in(self, tokens: list[int], states: torch.Tensor, start_pos: list[int], tables: list[list[int]],
-                 size: int, q: int) -> None:
+                 size: int, q: int, pads: list[int]) -> None:
         b, bs, pad = len(start_pos), self.block_size, (size - len(start_pos)) * q
         positions = [p for start in start_pos for p in range(start, start + q)]
-        slots = [t[p // bs] * bs + p % bs for t, start in zip(tables, start_pos) for p in range(start, start + q)]
+        slots = [t[p // bs] * bs + p % bs if p >= start + skip else -1
+                 for t, start, skip in zip(tables, start_pos, pads) for p in range(start, start + q)]
         gap = [0] * (self.rows - b * q - pad)
         flat = (tokens + [0] * pad + gap + positions + list(range(q)) * (size - b) + gap
                 + slots + [-1] * (pad + len(gap)))
