@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from tandem.engine.cuda_graphs import SIZES
+from tandem.engine.cuda_graphs import SIZES, record
 from tandem.engine.decode_group import MAX_DECODE_QUERY_LEN
 from tandem.layers.attention import AttentionMetadata
 
@@ -158,15 +158,7 @@ class DraftGraphs:
         self.real.zero_()
         self.tables.zero_()
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # Triton compiles and cuBLAS warms up outside the capture
-                for _ in range(2):
-                    self._chain(size, q, steps)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                drafts = self._chain(size, q, steps)
+            graph, drafts = record(lambda: self._chain(size, q, steps), self.pool)
             self.pool = graph.pool()
             self.chains[(size, q, steps)] = _Chain(graph, drafts)
         except RuntimeError as exc:

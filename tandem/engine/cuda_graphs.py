@@ -23,6 +23,7 @@ is lost but speed. `EngineConfig.enforce_eager` (vLLM's name) turns graphs off.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
@@ -141,17 +142,24 @@ class DecodeGraphs:
         return self.graphs[(size, q)]
 
     def _record(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> _Captured:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compiles and warms up outside the capture
-            for _ in range(2):
-                self.forward(ids, pos, meta)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.forward(ids, pos, meta)
+        graph, hidden = record(lambda: self.forward(ids, pos, meta), self.pool)
         self.pool = graph.pool()
         return _Captured(graph, hidden)
+
+
+def record(fn, pool) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """fn() run twice on a side stream (Triton compiles, cuBLAS warms up: outside the capture), then captured
+    into the memory pool `pool` (None: a new one): (the graph, fn's output, which each replay rewrites)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 
 def graphs_for(runner, decode: list, prefill: list, decode_q: int) -> DecodeGraphs | None:
