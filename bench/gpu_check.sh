@@ -7,11 +7,11 @@
 #   3. bench.offline_throughput on the GPU (bf16): tandem vs transformers on the same device, and
 #      batch-1 decode vs the weight-bandwidth limit;
 #   4. the kernel tests, compiled for the GPU (tests/triton_device.py moves their tensors there);
-#   4b. the generation features on the GPU (EAGLE — its draft chains captured as graphs too —, beam search,
+#   4b. the generation features on the GPU (EAGLE and the draft model — their draft chains captured as graphs too —, beam search,
 #      structured outputs, sliding window, speculative decoding): their tests' greedy/exactness checks, with CUDA
 #      graphs on by default;
 #   5. bench.decode_profile: where a batch-1 decode step's time goes (CUDA launches, copies, syncs);
-#   6. bench.speculative at batch 1 and 4 (graphs replay the verification steps and EAGLE's draft chains);
+#   6. bench.speculative at batch 1 and 4 (graphs replay the verification steps and the draft chains);
 #   7. `tandem up` on the GPU (P and D share it over zmq), 8 req/s: where TTFT goes (bench.ttft_breakdown);
 #   8. P/D on one GPU: tests/test_disagg.py's token-identity test through zmq (the shm connector refuses GPU caches
 #      by design, and NCCL does not link two ranks on one GPU: torch_dist would fall back every time).
@@ -61,7 +61,7 @@ step engine_parity "${LIMIT_PARITY:-120}" $py -m pytest -q -p no:cacheprovider $
 step offline "${LIMIT_OFFLINE:-90}" $py -m bench.offline_throughput
 step kernel_tests "${LIMIT_TESTS:-100}" $py -m pytest -q -p no:cacheprovider $xdist tests/test_kernels.py \
     tests/test_kernels_engine.py tests/test_sliding_window_kernels.py
-step features "${LIMIT_FEATURES:-150}" $py -m pytest -q -p no:cacheprovider $xdist tests/test_eagle.py tests/test_eagle_graphs.py \
+step features "${LIMIT_FEATURES:-150}" $py -m pytest -q -p no:cacheprovider $xdist tests/test_eagle.py tests/test_draft_graphs.py \
     tests/test_beam_search.py tests/test_structured_engine.py tests/test_sliding_window.py tests/test_spec_decode.py \
     tests/test_sampling.py
 step decode_profile "${LIMIT_PROFILE:-60}" $py -m bench.decode_profile

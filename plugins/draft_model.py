@@ -19,6 +19,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from kernels import fused, get_ops
+from plugins.draft_graphs import DraftGraphs, draft_model_chains
 from plugins.eviction import LRUEviction
 from tandem.engine.decode_group import MAX_DECODE_QUERY_LEN, MAX_PADDED_ROWS
 from tandem.engine.kv_cache_manager import KVCacheManager
@@ -60,7 +61,7 @@ def check_same_tokenizer(draft_path: str, target_path: str) -> None:
 class DraftModelRunner:
     def __init__(self, path: str, *, target_path: str, target_vocab_size: int, dtype: torch.dtype,
                  device: torch.device, block_size: int, max_model_len: int, k: int, max_seqs: int,
-                 seed: int = 0) -> None:
+                 seed: int = 0, graphs: bool = False) -> None:
         check_same_tokenizer(path, target_path)
         cfg = ModelConfig.from_dir(path)
         self.vocab_size = target_vocab_size  # draft rows are cut/padded to it (checkpoints pad vocabs differently)
@@ -70,6 +71,12 @@ class DraftModelRunner:
         self.kv_caches, self.kv = own_cache(cfg, dtype, device, block_size, max_model_len, k, max_seqs)
         self.seqs: dict[str, _DraftSeq] = {}
         self.generator = torch.Generator().manual_seed(seed)
+        # A GPU's greedy proposals of equal catch-ups: one CUDA graph each (plugins/draft_graphs.py), captured now
+        # for catch-ups of 1 or 2 tokens (what follows a verification: _prepare keeps the accepted drafts' KV).
+        self.graphs: DraftGraphs | None = draft_model_chains(self, -(-(max_model_len + k) // block_size)) \
+            if graphs else None
+        if self.graphs is not None:
+            self.graphs.capture_all(k, max_seqs, max_q=2)
 
     def release(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -89,10 +96,14 @@ class DraftModelRunner:
             return {}, {}
         # Pass 1: catch up on everything after the valid draft KV, sample the first draft token.
         chunks = [(r, self.seqs[r.request_id].num_computed_tokens, r.num_tokens) for r, _ in batch]
-        logits = self._forward([(r, r.token_ids[a:b], a) for r, a, b in chunks], decode=False)
-        self._sample(batch, logits, tokens, probs)
+        passes = max(k for _, k in batch)
+        if self._graph_passes(batch, chunks, tokens, passes):
+            passes = 0
+        else:
+            logits = self._forward([(r, r.token_ids[a:b], a) for r, a, b in chunks], decode=False)
+            self._sample(batch, logits, tokens, probs)
         # Passes 2..k: one token each, for the requests that still want more.
-        for step in range(1, max(k for _, k in batch)):
+        for step in range(1, passes):
             live = [(r, k) for r, k in batch if k > step]
             feed = [(r, [tokens[r.request_id][-1]], r.num_tokens + step - 1) for r, _ in live]
             self._sample(live, self._forward(feed, decode=True), tokens, probs)
@@ -101,6 +112,20 @@ class DraftModelRunner:
             seq.num_computed_tokens = r.num_tokens
             seq.drafted = tokens[r.request_id][:k - 1]  # the last draft token was never fed back
         return tokens, {rid: torch.stack(rows) for rid, rows in probs.items()}
+
+    def _graph_passes(self, batch: list[tuple[Request, int]], chunks: list, tokens: dict[str, list[int]],
+                      passes: int) -> bool:
+        """All `passes` passes as one CUDA graph (a GPU's) where every request is greedy without a penalty, drafts
+        as many and catches up as many tokens; False (nothing appended) where that does not apply."""
+        if self.graphs is None or len({b - a for _, a, b in chunks}) > 1 or any(
+                k != passes or not r.params.greedy or r.params.repetition_penalty != 1.0 for r, k in batch):
+            return False
+        drafted = self.graphs.draft([t for r, a, b in chunks for t in r.token_ids[a:b]], None,
+                                    [a for _, a, _ in chunks], [self.seqs[r.request_id].block_ids for r, _ in batch],
+                                    passes)
+        for (r, _), more in zip(batch, drafted or ()):
+            tokens[r.request_id].extend(more)
+        return drafted is not None
 
     def _prepare(self, req: Request, k: int, wanted: set[str]) -> bool:
         """Apply the catch-up rule to req's draft state and reserve slots for this proposal."""

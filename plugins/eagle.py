@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import get_ops
+from plugins.draft_graphs import DraftGraphs, eagle_chains
 from plugins.draft_model import own_cache, padded, paged_metadata, sample_drafts
 from plugins.eagle_fused import FusedDrafter
-from plugins.eagle_graphs import DraftGraphs
 from tandem.engine.model_runner import MAX_DECODE_QUERY_LEN
 from tandem.engine.request import Request
 from tandem.models.config import ModelConfig
@@ -99,10 +99,9 @@ class EagleRunner:
         width = self.vocab_size if self.draft_ids is None else len(self.draft_ids)
         self.fused: FusedDrafter | None = FusedDrafter(self.head, self.embed, self.lm_head, width, self.kv_caches,
                                                        block_size, self.draft_ids)
-        # A GPU's greedy passes: one CUDA graph a proposal (plugins/eagle_graphs.py); the CPU's: the C loop above.
-        self.graphs: DraftGraphs | None = DraftGraphs(
-            self.head, self.embed, self.lm_head, self.draft_ids, width, self.ops, self.kv_caches, block_size,
-            -(-(max_model_len + k) // block_size), device) if target.use_graphs else None  # not --enforce-eager
+        # A GPU's greedy passes: one CUDA graph a proposal (plugins/draft_graphs.py); the CPU's: the C loop above.
+        self.graphs: DraftGraphs | None = eagle_chains(self, -(-(max_model_len + k) // block_size)) \
+            if target.use_graphs else None  # not under --enforce-eager
         if self.graphs is not None:
             self.graphs.capture_all(k, max_seqs)
 
@@ -180,7 +179,7 @@ class EagleRunner:
         feed, pads = padded(feed)
         decode = pads is not None
         passes = max(k for _, k in batch)
-        # Greedy requests drafting alike: every pass in C (plugins/eagle_fused.py) or a CUDA graph (eagle_graphs.py).
+        # Greedy requests drafting alike: every pass in C (plugins/eagle_fused.py) or a CUDA graph (draft_graphs.py).
         fused = self.fused is not None and all(r.params.greedy and k == passes for r, k in batch)
         if fused and decode and self._fused_passes(batch, feed, tokens, passes, pads):
             passes = 0

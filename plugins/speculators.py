@@ -73,7 +73,8 @@ class DraftModelSpeculator(Speculator):
         self.runner = DraftModelRunner(
             cfg.draft_model, target_path=cfg.model, target_vocab_size=ctx.model_config.vocab_size,
             dtype=ctx.dtype, device=ctx.device, block_size=cfg.block_size, max_model_len=ctx.max_model_len,
-            k=self.k, max_seqs=cfg.spec_max_batch, seed=cfg.seed)
+            k=self.k, max_seqs=cfg.spec_max_batch, seed=cfg.seed,
+            graphs=ctx.target is not None and ctx.target.use_graphs)  # a GPU's, not under --enforce-eager
 
     def propose(self, requests: Sequence[Request]) -> dict[str, list[int]]:
         ks = [self.num_to_propose(r) for r in requests]

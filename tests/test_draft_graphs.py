@@ -1,15 +1,17 @@
-"""EAGLE's greedy draft chain for a GPU (plugins/eagle_graphs.py), run eagerly over its static buffers on the CPU
-(`capture=False`: what a CUDA graph would capture, without the capture) against the Python passes it replaces:
-the same drafts at every step, the same head-cache K/V, the same output; padding requests (a batch of 3 runs
-as 4) that write nothing and change no draft; and the calls it leaves to the Python passes."""
+"""The greedy draft chains for a GPU (plugins/draft_graphs.py), run eagerly over their static buffers on the CPU
+(`capture=False`: what a CUDA graph would capture, without the capture) against the Python passes they replace.
+EAGLE: the same drafts at every step, the same head-cache K/V, the same output; padding requests (a batch of 3
+runs as 4) that write nothing and change no draft; and the calls it leaves to the Python passes. A draft model:
+the same drafts and output, its catch-up as one decode pass where the Python passes run it as a prefill."""
 
 import pytest
 import torch
 from test_speculative import repeating_prompts
 from tiny_models import heldout_code, make_checkpoint, make_eagle_head
 
-from plugins.eagle_graphs import DraftGraphs
+from plugins.draft_graphs import DraftGraphs, draft_model_chains, eagle_chains
 from tandem import LLM, SamplingParams
+from tandem.default_model import default_draft_path
 
 pytestmark = pytest.mark.slow  # real models: deselected by -m 'not slow'
 
@@ -20,10 +22,8 @@ def close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def chain_for(runner) -> DraftGraphs:
-    width = runner.vocab_size if runner.draft_ids is None else len(runner.draft_ids)
-    return DraftGraphs(runner.head, runner.embed, runner.lm_head, runner.draft_ids, width, runner.ops,
-                       runner.kv_caches, runner.block_size, runner.kv_caches[0].shape[0], runner.device,
-                       capture=runner.device.type == "cuda")  # on a GPU the same checks of the captured graphs
+    return eagle_chains(runner, runner.kv_caches[0].shape[0],
+                        capture=runner.device.type == "cuda")  # on a GPU the same checks of the captured graphs
 
 
 def run(llm: LLM, prompts: list[list[int]], chain: bool, max_tokens: int, batch: int) -> tuple:
@@ -191,3 +191,36 @@ def test_chains_captured_at_start_cover_every_first_pass_length(shipped_llm):
     assert chain.capture_all(4, 1) == 20 and set(chain.chains) == expected
     assert chain.capture_all(4, 3) == 60 and {size for size, _, _ in chain.chains} == {1, 2, 4}
     assert chain.capture_all(4, 8) == 80
+
+
+def test_draft_model_chain_drafts_as_the_python_passes():
+    """The shipped draft model's proposals through its chain (the catch-up of 1-2 tokens as one decode pass, then
+    the one-token passes) are the Python passes' (whose catch-up runs as a prefill), and so is the output."""
+    llm = LLM(speculator="draft_model", draft_model=default_draft_path(), max_model_len=512, spec_max_batch=8)
+    runner = llm.engine.speculator.runner
+    prompts = [llm.engine.tokenize(s) for s in heldout_code()][:4]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    results = []
+    for chain in (True, False, True):
+        runner.graphs = draft_model_chains(runner, runner.kv_caches[0].shape[0],
+                                           capture=runner.device.type == "cuda") if chain else None
+        proposals, propose = [], runner.propose
+
+        def spy(requests, ks, propose=propose, proposals=proposals):
+            tokens, probs = propose(requests, ks)
+            proposals.append([tokens[r.request_id] for r in requests if r.request_id in tokens])
+            return tokens, probs
+
+        runner.propose = spy
+        try:
+            outs = [o.token_ids for o in llm.generate(prompts[:1], params)]
+            outs += [o.token_ids for o in llm.generate(prompts[1:], params)]  # three at a time
+        finally:
+            del runner.propose
+        results.append((outs, proposals, runner.graphs.replays if chain else 0))
+    runner.graphs = None
+    (outs, proposals, replays), (ref_outs, ref_proposals, _), (again, _, _) = results
+    assert outs == ref_outs == again
+    assert replays >= len(proposals) // 2  # all but the prompts' catch-ups and uneven ones went through the chain
+    agree = sum(a == b for a, b in zip(proposals, ref_proposals))
+    assert len(proposals) == len(ref_proposals) and agree >= 0.9 * len(proposals), (agree, len(proposals))
