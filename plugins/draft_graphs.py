@@ -170,7 +170,7 @@ class DraftGraphs:
             self.chains[(size, q, steps)] = _Chain(graph, drafts)
         except RuntimeError as exc:
             self.failed = True
-            log.warning("EAGLE draft graph capture failed: drafts run eagerly", batch=size, query_len=q,
+            log.warning("draft graph capture failed: drafts run eagerly", drafter=self.name, batch=size, query_len=q,
                         steps=steps, error=str(exc)[:300])
             return None
         finally:

@@ -116,8 +116,9 @@ class DraftModelRunner:
     def _graph_passes(self, batch: list[tuple[Request, int]], chunks: list, tokens: dict[str, list[int]],
                       passes: int) -> bool:
         """All `passes` passes as one CUDA graph (a GPU's) where every request is greedy without a penalty, drafts
-        as many and catches up as many tokens; False (nothing appended) where that does not apply."""
-        if self.graphs is None or len({b - a for _, a, b in chunks}) > 1 or any(
+        as many and catches up as many tokens, 1 or 2 (the chains captured at start: a longer catch-up — a prompt
+        — would capture one per length while serving); False (nothing appended) where that does not apply."""
+        if self.graphs is None or len({b - a for _, a, b in chunks}) > 1 or chunks[0][2] - chunks[0][1] > 2 or any(
                 k != passes or not r.params.greedy or r.params.repetition_penalty != 1.0 for r, k in batch):
             return False
         drafted = self.graphs.draft([t for r, a, b in chunks for t in r.token_ids[a:b]], None,
