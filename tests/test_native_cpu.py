@@ -62,10 +62,11 @@ def test_threads_split_sequences_or_heads(threads, b):
 @pytest.mark.parametrize("h,hkv,d,bs", [(8, 2, 64, 16), (8, 4, 32, 12), (4, 4, 32, 5), (16, 2, 64, 32),
                                         (32, 8, 128, 16)])
 @pytest.mark.parametrize("q_len,window", [(1, None), (5, None), (1, 37), (5, 150)])
-def test_one_sequence_read_in_place_is_bitwise_the_tile_copy(h, hkv, d, bs, q_len, window):
-    """One sequence over two threads reads small KV heads' rows where they lie (no tile copy), eight keys that
-    straddle two blocks included (a window makes them): the very bits of one thread, which copies, and the
-    reference's values. 8 x 128 heads copy on both."""
+def test_one_sequence_split_by_kv_heads_is_bitwise_one_thread(h, hkv, d, bs, q_len, window):
+    """One sequence over two threads (a unit per KV head) gives the very bits of one thread (a unit of the whole
+    sequence, requesting its next tile while it computes), and the reference's values: small KV heads' rows
+    read where they lie on both, eight keys that straddle two blocks included (a window makes them); 8 x 128
+    heads copied on both."""
     lens = [311 + q_len]
     query, cache, tables, seq_lens = _case(h + d + bs + q_len, b=1, h=h, hkv=hkv, d=d, bs=bs, q_len=q_len, lens=lens)
     before, got = torch.get_num_threads(), {}

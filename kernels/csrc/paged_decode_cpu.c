@@ -36,6 +36,18 @@ static inline int tile_keys(int BS, int Hkv, int D) { /* whole blocks, at least 
     return keys < BS ? BS : keys;
 }
 
+/* The blocks of the next tile, requested 64 bytes at a time as this tile computes: `step` lines before each
+ * 8-key dot product (all of them by the tile's end). */
+typedef struct {
+    const char *blocks[TILE];
+    int64_t block_bytes, total, done, step;
+} spread_t;
+
+static inline void spread_some(spread_t *pf, int64_t lines) {
+    for (int64_t i = 0; i < lines && pf->done < pf->total; i++, pf->done += 64)
+        __builtin_prefetch(pf->blocks[pf->done / pf->block_bytes] + pf->done % pf->block_bytes, 0, 2);
+}
+
 /* Copy the K and V rows of heads [g_lo, g_lo + nh) of `n` keys of one block into kbuf / vbuf (rows ks apart). */
 static inline __attribute__((always_inline)) void copy_block(float *kbuf, float *vbuf, const float *src, int n,
                                                              int64_t kv_stride, int64_t key_stride, int g_lo,
@@ -88,10 +100,24 @@ static inline __attribute__((always_inline)) void attend(
             const float *src = cache + (int64_t)table[(j0 + j) / BS] * 2 * kv_stride;
             copy_block(kbuf + j * ks, vbuf + j * ks, src, n - j < BS ? n - j : BS, kv_stride, key_stride, g_lo, nh, D, Hkv);
         }
-        for (int j = n; !direct && j0 + j < seq_len && j < 2 * tile; j += BS) { /* the next tile's lines on their way */
+        /* The next tile's lines on their way. A unit of whole sequences (nh == Hkv) requests its next tile's blocks
+         * a few lines before each 8-key dot product of this tile (spread_some), so the misses overlap the
+         * arithmetic: requested all at once before it, most of them waited (a core tracks a few dozen misses). A
+         * unit of one KV head that copies requests its rows of the next tile now, as before. */
+        spread_t pf = {.total = 0};
+        if (nh == Hkv) {
+            pf.block_bytes = (int64_t)sizeof(float) * 2 * kv_stride;
+            int blocks = 0;
+            for (int j = n; j0 + j < seq_len && j < 2 * tile; j += BS)
+                pf.blocks[blocks++] = (const char *)(cache + (int64_t)table[(j0 + j) / BS] * 2 * kv_stride);
+            pf.total = blocks * pf.block_bytes;
+            const int64_t dots = (int64_t)nh * Q * G * (n < 8 ? 1 : n / 8);
+            pf.step = (pf.total / 64 + dots - 1) / dots;
+        }
+        for (int j = n; !direct && nh < Hkv && j0 + j < seq_len && j < 2 * tile; j += BS) {
             const char *next = (const char *)(cache + (int64_t)table[(j0 + j) / BS] * 2 * kv_stride + g_lo * D);
-            for (int t = 0; t < (nh == Hkv ? 1 : 2 * BS); t++)
-                for (int64_t c = 0; c < (nh == Hkv ? (int64_t)sizeof(float) * 2 * kv_stride : (int64_t)sizeof(float) * ks); c += 64)
+            for (int t = 0; t < 2 * BS; t++)
+                for (int64_t c = 0; c < (int64_t)sizeof(float) * ks; c += 64)
                     __builtin_prefetch(next + t * sizeof(float) * key_stride + c, 0, 2);
         }
         for (int g = g_lo; g < g_hi; g++) {
@@ -109,6 +135,7 @@ static inline __attribute__((always_inline)) void attend(
                     const float *qh = q0 + h * D;
                     int t = a;
                     for (; t + 8 <= b; t += 8) {
+                        spread_some(&pf, pf.step);
                         if (!direct) {
                             dots8(qh, kb + t * ks, ks, D, scale, s + h * tile + t);
                         } else if (t % BS + 8 <= BS) {
@@ -160,6 +187,7 @@ static inline __attribute__((always_inline)) void attend(
             }
         }
 #undef KROW
+        spread_some(&pf, pf.total / 64); /* what a short tile's dot products left */
     }
     for (int g = g_lo; g < g_hi; g++)
         for (int qi = 0; qi < Q; qi++)
@@ -197,12 +225,15 @@ int tandem_paged_decode_f32(const float *query, const float *cache, const int32_
     /* A unit of work is a whole sequence (its blocks read once, front to back); with fewer sequences
      * than threads, one KV head of a sequence, so a batch of one still uses every thread. */
     const int per_head = B < num_threads, units = per_head ? B * Hkv : B;
-    /* One KV head of key rows of at most 1 KiB: read where it lies, no tile copy (a unit reads a strided
-     * quarter or half of each row, which the copy gathered 8 floats at a time). Batch-1 decode, both libraries
-     * swapped in one process (docs/PERFORMANCE.md, session 30): the shipped model (4 x 32) at 800 tokens
-     * 1.09-1.15x, with EAGLE 1.09x; the 55M (2 x 64) at 1900 tokens 0.98-1.02x. Whole sequences (rows read
-     * front to back, copied by memcpy) and 8 x 128 heads read in place were 1.1-1.3x slower: they copy. */
-    const int G = H / Hkv, direct = per_head && Hkv * D <= 256 && (G == 1 || G == 2 || G == 4 || G == 8);
+    /* Key rows of at most 1 KiB (Hkv * D <= 256 floats) are read where they lie, no tile copy (a unit of one KV head
+     * reads a strided quarter or half of each row, which the copy gathered 8 floats at a time). Batch-1 decode,
+     * both libraries swapped in one process (docs/PERFORMANCE.md, session 30): the shipped model (4 x 32) at 800
+     * tokens 1.09-1.15x, with EAGLE 1.09x; the 55M (2 x 64) at 1900 tokens 0.98-1.02x. Units of whole sequences
+     * read in place too since their next tile is requested while this one computes (spread_t; session 43, eight
+     * layers' caches rotating, 2 threads, against copying and requesting the tile at once: 16 x 2000 tokens of the
+     * 55M's heads 1.50x, of the shipped model's 1.46x, 64 x 400 1.14x, 16 x 600 1.42x; in place without the
+     * spread requests they were 0.86-0.96x). 8 x 128 heads copy (rows of 4 KiB), with the same spread requests. */
+    const int G = H / Hkv, direct = Hkv * D <= 256 && (G == 1 || G == 2 || G == 4 || G == 8);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && units > 1)
     {
         /* per-thread scratch: the rows' accumulators, one tile's scores and its keys and values */
