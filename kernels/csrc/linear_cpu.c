@@ -60,8 +60,9 @@ static inline float load1w(float v) { return v; }
  * Llama's weights at 16-19 GB/s where a read-only sum reaches 26-29; this one reaches 23-27 (1-3 rows, 2
  * threads, weights evicted; docs/PERFORMANCE.md "Session 14"). Only AVX2 builds use it, for 7-8 rows with U = 1
  * accumulator (in pairs their 14-16 accumulators would spill AVX2's 16 vector registers); one row runs in four
- * streams (FOUR_STREAMS, below), every other case in pairs of weight rows (PAIR_ROWS). Prefetching gains 1.2-1.7x
- * at 2-8 rows; one row streams faster on the hardware's own prefetchers (session 29). */
+ * streams (FOUR_STREAMS, below; AVX-512: FOUR_STREAMS16), every other case in pairs of weight rows (PAIR_ROWS).
+ * Prefetching gains 1.2-1.7x at 2-8 rows; one row streams faster on the hardware's own prefetchers (sessions 29,
+ * 43). */
 /* Past one input row a vector's lanes are summed as a tree of halves (lanes i and i + L/2 first), not one
  * after another: the serial lane-order sum of the 2M accumulators cost ~14% of a 5-row product at K = 256 (the
  * shipped model's four layer linears, 2 threads: 5 rows 90.9 -> 78.2 us, 8 rows 119.1 -> 100.0); one row keeps
@@ -192,7 +193,6 @@ static inline f32x16 load16f(const float *p) {
 }
 
 #define PAIRS16(NAME, T, WIDEN16, WIDEN1)                                                                     \
-    PAIR_ROWS(NAME, T, f32x16, 16, WIDEN16, load16f, WIDEN1, 1)                                              \
     PAIR_ROWS(NAME, T, f32x16, 16, WIDEN16, load16f, WIDEN1, 2)                                              \
     PAIR_ROWS(NAME, T, f32x16, 16, WIDEN16, load16f, WIDEN1, 3)                                              \
     PAIR_ROWS(NAME, T, f32x16, 16, WIDEN16, load16f, WIDEN1, 4)                                              \
@@ -203,6 +203,43 @@ static inline f32x16 load16f(const float *p) {
 PAIRS16(bf16w, uint16_t, widen16, widen1)
 PAIRS16(f32w, float, load16f, load1w)
 #undef PAIRS16
+/* One input row in 16 lanes against four weight rows at a time, one from each quarter of the thread's share (four
+ * read streams), without software prefetch: the AVX2 build's FOUR_STREAMS (below) in 16 lanes. The two-row pairs
+ * above, which prefetch ahead, read the 55M Llama's fp32 weights (156 MB, one row, 2 threads, AVX-512 EPYC,
+ * 150 alternations with torch's own sum over the same bytes; docs/PERFORMANCE.md, session 43) at 30.2 GB/s
+ * median where torch's sum read 33.3 and four streams read 33.8. Each row sums in one order (16 lanes along K,
+ * their tree sum, the scalar tail), in a group of four or alone, so no thread count changes a bit. */
+#define FOUR_STREAMS16(NAME, T, WIDEN16, WIDEN1)                                                              \
+    static inline float NAME##_finish16(f32x16 a, const float *x, const T *r, int64_t k16, int64_t K) {       \
+        float s = hsum16(a);                                                                                  \
+        for (int64_t k = k16; k < K; k++) s += x[k] * WIDEN1(r[k]);                                          \
+        return s;                                                                                             \
+    }                                                                                                         \
+    static void NAME##_streams4_16(const float *x, const T *w, int64_t K, float *y, int64_t N, int64_t n0,   \
+                                   int64_t n1, const float *bias) {                                           \
+        (void)N;                                                                                              \
+        const int64_t q = (n1 - n0) / 4, k16 = K / 16 * 16;                                                   \
+        for (int64_t i = 0; i < q; i++) {                                                                     \
+            const T *r[4];                                                                                    \
+            f32x16 a[4];                                                                                      \
+            for (int j = 0; j < 4; j++) r[j] = w + (n0 + j * q + i) * K, a[j] = (f32x16){0};                 \
+            for (int64_t k = 0; k < k16; k += 16) {                                                           \
+                const f32x16 xv = load16f(x + k);                                                             \
+                for (int j = 0; j < 4; j++) a[j] += WIDEN16(r[j] + k) * xv;                                   \
+            }                                                                                                 \
+            for (int j = 0; j < 4; j++)                                                                       \
+                y[n0 + j * q + i] = NAME##_finish16(a[j], x, r[j], k16, K) + (bias ? bias[n0 + j * q + i] : 0.f); \
+        }                                                                                                     \
+        for (int64_t n = n0 + 4 * q; n < n1; n++) { /* the rows left over, one at a time, in the same order */  \
+            const T *row = w + n * K;                                                                         \
+            f32x16 a = {0};                                                                                   \
+            for (int64_t k = 0; k < k16; k += 16) a += WIDEN16(row + k) * load16f(x + k);                     \
+            y[n] = NAME##_finish16(a, x, row, k16, K) + (bias ? bias[n] : 0.f);                               \
+        }                                                                                                     \
+    }
+FOUR_STREAMS16(bf16w, uint16_t, widen16, widen1)
+FOUR_STREAMS16(f32w, float, load16f, load1w)
+#undef FOUR_STREAMS16
 #else
 #define STREAMS(NAME, T, WIDEN8, WIDEN1)                                                                      \
     STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 7, 1) STREAM_ROWS(NAME, T, WIDEN8, WIDEN1, 8, 1)
@@ -282,7 +319,7 @@ int omp_get_num_threads(void);
 #if defined(__AVX512F__)
 #define DISPATCH(NAME)                                                                                        \
     switch (M) {                                                                                              \
-        RUN_ROWS(NAME##_pairs16_1, 1) RUN_ROWS(NAME##_pairs16_2, 2) RUN_ROWS(NAME##_pairs16_3, 3)            \
+        RUN_ROWS(NAME##_streams4_16, 1) RUN_ROWS(NAME##_pairs16_2, 2) RUN_ROWS(NAME##_pairs16_3, 3)            \
         RUN_ROWS(NAME##_pairs16_4, 4) RUN_ROWS(NAME##_pairs16_5, 5) RUN_ROWS(NAME##_pairs16_6, 6)            \
         RUN_ROWS(NAME##_pairs16_7, 7) RUN_ROWS(NAME##_pairs16_8, 8)                                          \
     }                                                                                                         \
