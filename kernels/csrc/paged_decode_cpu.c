@@ -37,15 +37,18 @@ static inline int tile_keys(int BS, int Hkv, int D) { /* whole blocks, at least 
 }
 
 /* The blocks of the next tile, requested 64 bytes at a time as this tile computes: `step` lines before each
- * 8-key dot product (all of them by the tile's end). */
+ * 8-key dot product (all of them by the tile's end). A cursor (block, offset), not a division per line. */
 typedef struct {
     const char *blocks[TILE];
-    int64_t block_bytes, total, done, step;
+    int nblocks, b;
+    int64_t block_bytes, offset, step; /* block_bytes: a multiple of 64 (D % 8 == 0) */
 } spread_t;
 
 static inline void spread_some(spread_t *pf, int64_t lines) {
-    for (int64_t i = 0; i < lines && pf->done < pf->total; i++, pf->done += 64)
-        __builtin_prefetch(pf->blocks[pf->done / pf->block_bytes] + pf->done % pf->block_bytes, 0, 2);
+    for (; lines > 0 && pf->b < pf->nblocks; lines--) {
+        __builtin_prefetch(pf->blocks[pf->b] + pf->offset, 0, 2);
+        if ((pf->offset += 64) == pf->block_bytes) pf->offset = 0, pf->b++;
+    }
 }
 
 /* Copy the K and V rows of heads [g_lo, g_lo + nh) of `n` keys of one block into kbuf / vbuf (rows ks apart). */
@@ -104,15 +107,13 @@ static inline __attribute__((always_inline)) void attend(
          * a few lines before each 8-key dot product of this tile (spread_some), so the misses overlap the
          * arithmetic: requested all at once before it, most of them waited (a core tracks a few dozen misses). A
          * unit of one KV head that copies requests its rows of the next tile now, as before. */
-        spread_t pf = {.total = 0};
+        spread_t pf = {.nblocks = 0};
         if (nh == Hkv) {
             pf.block_bytes = (int64_t)sizeof(float) * 2 * kv_stride;
-            int blocks = 0;
             for (int j = n; j0 + j < seq_len && j < 2 * tile; j += BS)
-                pf.blocks[blocks++] = (const char *)(cache + (int64_t)table[(j0 + j) / BS] * 2 * kv_stride);
-            pf.total = blocks * pf.block_bytes;
+                pf.blocks[pf.nblocks++] = (const char *)(cache + (int64_t)table[(j0 + j) / BS] * 2 * kv_stride);
             const int64_t dots = (int64_t)nh * Q * G * (n < 8 ? 1 : n / 8);
-            pf.step = (pf.total / 64 + dots - 1) / dots;
+            pf.step = (pf.nblocks * pf.block_bytes / 64 + dots - 1) / dots;
         }
         for (int j = n; !direct && nh < Hkv && j0 + j < seq_len && j < 2 * tile; j += BS) {
             const char *next = (const char *)(cache + (int64_t)table[(j0 + j) / BS] * 2 * kv_stride + g_lo * D);
@@ -187,7 +188,7 @@ static inline __attribute__((always_inline)) void attend(
             }
         }
 #undef KROW
-        spread_some(&pf, pf.total / 64); /* what a short tile's dot products left */
+        spread_some(&pf, INT64_MAX); /* what this tile's dot products left */
     }
     for (int g = g_lo; g < g_hi; g++)
         for (int qi = 0; qi < Q; qi++)
