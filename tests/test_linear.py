@@ -230,17 +230,18 @@ def test_products_past_the_bucket_start_run_padded_and_give_the_same_rows(monkey
 
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16-weights", "fp32-weights"])
 def test_small_batches_give_the_same_bits_at_any_thread_count(bf16):
-    """The C kernel splits the weight rows over threads and runs them two at a time: with an odd number of
-    rows per thread some row is alone. ThreadBackoff changes the thread count while serving, so each
-    output must come out bit for bit the same however the rows were split (and close to F.linear)."""
+    """The C kernel splits the weight rows over threads and runs them two at a time (one input row: four): with
+    rows per thread that do not divide evenly some row is alone. ThreadBackoff changes the thread count while
+    serving, so each output must come out bit for bit the same however the rows were split (and close to
+    F.linear)."""
     torch.manual_seed(5)
-    layer = lin.Linear(688, 255, bias=True)  # odd rows, K with a tail past 16 lanes, big enough to thread
+    layer = lin.Linear(690, 255, bias=True)  # odd rows, K = 43 x 16 + 2 (a scalar tail), big enough to thread
     if bf16:
         layer.weight.data = layer.weight.data.to(torch.bfloat16).float()
     before = torch.get_num_threads()
     try:
         for rows in range(1, 9):
-            x = torch.randn(rows, 688)
+            x = torch.randn(rows, 690)
             outs = []
             for threads in (1, 2, 3):
                 torch.set_num_threads(threads)

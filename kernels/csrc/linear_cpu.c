@@ -60,14 +60,14 @@ static inline float load1w(float v) { return v; }
  * Llama's weights at 16-19 GB/s where a read-only sum reaches 26-29; this one reaches 23-27 (1-3 rows, 2
  * threads, weights evicted; docs/PERFORMANCE.md "Session 14"). Only AVX2 builds use it, for 7-8 rows with U = 1
  * accumulator (in pairs their 14-16 accumulators would spill AVX2's 16 vector registers); one row runs in four
- * streams (FOUR_STREAMS, below; AVX-512: FOUR_STREAMS16), every other case in pairs of weight rows (PAIR_ROWS).
+ * streams (FOUR_STREAMS, below; AVX-512: FOUR_STREAMS16, above), every other case in pairs of weight rows (PAIR_ROWS).
  * Prefetching gains 1.2-1.7x at 2-8 rows; one row streams faster on the hardware's own prefetchers (sessions 29,
  * 43). */
 /* Past one input row a vector's lanes are summed as a tree of halves (lanes i and i + L/2 first), not one
  * after another: the serial lane-order sum of the 2M accumulators cost ~14% of a 5-row product at K = 256 (the
  * shipped model's four layer linears, 2 threads: 5 rows 90.9 -> 78.2 us, 8 rows 119.1 -> 100.0); one row keeps
- * the serial sum (the tree made batch-1 decode ~4% slower). One fixed order per output either way, whatever
- * the thread count. */
+ * the serial sum in AVX2 builds (FOUR_STREAMS; the tree made batch-1 decode ~4% slower there), AVX-512's
+ * FOUR_STREAMS16 sums as a tree. One fixed order per output either way, whatever the thread count. */
 typedef float f32x4 __attribute__((vector_size(16)));
 
 #define LANE_SUM(L)                                                                                           \
@@ -156,7 +156,7 @@ static inline float hsum8(f32x8 v) {
                 }                                                                                             \
             }                                                                                                 \
             for (int m = 0; m < M; m++) {                                                                     \
-                float s0 = M > 1 ? hsum##L(a0[m]) : lsum##L(a0[m]), s1 = M > 1 ? hsum##L(a1[m]) : lsum##L(a1[m]); \
+                float s0 = hsum##L(a0[m]), s1 = hsum##L(a1[m]); /* M >= 2: one row is FOUR_STREAMS(16)'s */     \
                 for (int64_t j = kv; j < K; j++) s0 += x[m * K + j] * WIDEN1(r0[j]), s1 += x[m * K + j] * WIDEN1(r1[j]); \
                 y[m * N + n] = s0 + (bias ? bias[n] : 0.f);                                                   \
                 if (two) y[m * N + nb] = s1 + (bias ? bias[nb] : 0.f);                                        \
@@ -168,7 +168,6 @@ typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
-LANE_SUM(16)
 
 static inline float hsum16(f32x16 v) {
     f32x8 lo, hi;

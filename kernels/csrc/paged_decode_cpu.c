@@ -230,10 +230,11 @@ int tandem_paged_decode_f32(const float *query, const float *cache, const int32_
      * reads a strided quarter or half of each row, which the copy gathered 8 floats at a time). Batch-1 decode,
      * both libraries swapped in one process (docs/PERFORMANCE.md, session 30): the shipped model (4 x 32) at 800
      * tokens 1.09-1.15x, with EAGLE 1.09x; the 55M (2 x 64) at 1900 tokens 0.98-1.02x. Units of whole sequences
-     * read in place too since their next tile is requested while this one computes (spread_t; session 43, eight
-     * layers' caches rotating, 2 threads, against copying and requesting the tile at once: 16 x 2000 tokens of the
-     * 55M's heads 1.50x, of the shipped model's 1.46x, 64 x 400 1.14x, 16 x 600 1.42x; in place without the
-     * spread requests they were 0.86-0.96x). 8 x 128 heads copy (rows of 4 KiB), with the same spread requests. */
+     * read in place too since their next tile is requested while this one computes (spread_t; docs/PERFORMANCE.md,
+     * session 43, eight layers' caches rotating, 2 threads, against copying and requesting the tile at once: 16 x
+     * 2000 tokens of the 55M's heads 1.37x, of the shipped model's 1.39x, 64 x 400 1.17x, 2-4 sequences 1.30-1.36x;
+     * in place without the spread requests 0.86-0.96x). 8 x 128 heads copy (rows of 4 KiB), with the same spread
+     * requests (1.21x). Units of one KV head get none: with the cache in L3 they cost 8-32% (session 43). */
     const int G = H / Hkv, direct = Hkv * D <= 256 && (G == 1 || G == 2 || G == 4 || G == 8);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && units > 1)
     {
