@@ -234,7 +234,7 @@ int tandem_paged_decode_f32(const float *query, const float *cache, const int32_
      * session 43, eight layers' caches rotating, 2 threads, against copying and requesting the tile at once: 16 x
      * 2000 tokens of the 55M's heads 1.37x, of the shipped model's 1.39x, 64 x 400 1.17x, 2-4 sequences 1.30-1.36x;
      * in place without the spread requests 0.86-0.96x). 8 x 128 heads copy (rows of 4 KiB), with the same spread
-     * requests (1.21x). Units of one KV head get none: with the cache in L3 they cost 8-32% (session 43). */
+     * requests (1.21x). Units of one of several KV heads get none: with the cache in L3 they cost 8-32% there. */
     const int G = H / Hkv, direct = Hkv * D <= 256 && (G == 1 || G == 2 || G == 4 || G == 8);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && units > 1)
     {
